@@ -1,0 +1,52 @@
+"""Settings, validated with pydantic. Every field can come from the environment (``DISTILLQ_*``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.validate import Limits
+
+
+class RedisSettings(BaseSettings):
+    """Where Redis is: one URL (``redis://``, ``rediss://`` for TLS; user/password in the URL)."""
+
+    model_config = SettingsConfigDict(env_prefix="DISTILLQ_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "distillq"
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    socket_connect_timeout: float = Field(5.0, gt=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        return v
+
+
+class StreamSettings(BaseSettings):
+    """How stages use streams: caps, blocking reads, reclaim, dead-lettering, dedupe."""
+
+    model_config = SettingsConfigDict(env_prefix="DISTILLQ_", extra="ignore")
+
+    max_backlog: int = Field(1000, ge=1, description="producers wait while a stream holds this many entries")
+    backpressure_timeout_s: float = Field(300.0, gt=0)
+    block_ms: int = Field(1000, ge=1)
+    read_count: int = Field(8, ge=1)
+    max_in_flight: int = Field(16, ge=1)
+    claim_idle_ms: int = Field(60_000, ge=1, description="reclaim entries pending this long")
+    claim_interval_ms: int = Field(5_000, ge=1)
+    max_deliveries: int = Field(5, ge=1, description="dead-letter after this many failed deliveries")
+    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=1)
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    max_message_bytes: int = Field(512 << 20, ge=1024)
+    max_k: int = Field(256, ge=1)
+    vocab_size: int | None = None
+
+    def limits(self) -> Limits:
+        return Limits(max_bytes=self.max_message_bytes, max_k=self.max_k, vocab_size=self.vocab_size)

@@ -1,0 +1,88 @@
+"""Redis connections from one URL, with reconnect-and-backoff, and URL masking for logs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipeline.config import RedisSettings
+
+T = TypeVar("T")
+#: Errors that mean "Redis is away"; callers back off and retry, they do not crash.
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
+_PASSWORD = re.compile(r"(?P<scheme>[a-z]+://)(?P<user>[^:@/]*)(?::[^@/]*)?@")
+
+
+def mask_url(url: str) -> str:
+    """``redis://user:secret@host`` -> ``redis://user:***@host`` (never log a password)."""
+    return _PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
+
+
+def connect(settings: RedisSettings, *, max_connections: int | None = None) -> aioredis.Redis:
+    """A client for ``settings.redis_url``. Responses stay bytes (payloads are binary)."""
+    kwargs: dict[str, object] = {
+        "decode_responses": False,
+        "socket_connect_timeout": settings.socket_connect_timeout,
+        "socket_keepalive": True,
+        "health_check_interval": 30,
+        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError, BusyLoadingError],
+    }
+    if max_connections is not None:
+        kwargs["max_connections"] = max_connections
+    if settings.redis_url.startswith("rediss://"):
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            value = getattr(settings, name)
+            if value:
+                kwargs[name] = value
+    return aioredis.Redis.from_url(settings.redis_url, **kwargs)  # type: ignore[arg-type]
+
+
+class Backoff:
+    """Exponential backoff with full jitter, reset after a success."""
+
+    def __init__(self, base: float = 0.1, cap: float = 5.0) -> None:
+        self.base, self.cap, self.attempt = base, cap, 0
+
+    def next_delay(self) -> float:
+        self.attempt += 1
+        return random.uniform(0, min(self.cap, self.base * 2**self.attempt))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def retry_transient(
+    op: Callable[[], Awaitable[T]],
+    *,
+    stop: asyncio.Event | None = None,
+    deadline_s: float | None = None,
+    on_error: Callable[[BaseException, float], None] | None = None,
+) -> T:
+    """Run ``op`` until it succeeds, backing off on transient Redis errors.
+
+    Gives up (re-raising the last error) when ``stop`` is set or ``deadline_s`` has passed.
+    """
+    loop = asyncio.get_running_loop()
+    end = None if deadline_s is None else loop.time() + deadline_s
+    backoff = Backoff()
+    while True:
+        try:
+            return await op()
+        except TRANSIENT as e:
+            delay = backoff.next_delay()
+            if (stop is not None and stop.is_set()) or (end is not None and loop.time() + delay > end):
+                raise
+            if on_error is not None:
+                on_error(e, delay)
+            await asyncio.sleep(delay)

@@ -1,0 +1,200 @@
+"""Consumer-group reads of one stage stream, with reclaim, dead-lettering and batched ack+delete.
+
+* ``read`` first reclaims (XPENDING IDLE + XCLAIM) entries another consumer left pending longer than
+  ``claim_idle_ms`` (at most every ``claim_interval_ms``), then reads new entries (XREADGROUP BLOCK COUNT).
+* Each delivery carries its delivery count. A reclaimed entry delivered more than ``max_deliveries``
+  times goes to the dead-letter stream instead of being handed out again.
+* ``ack`` acknowledges and deletes a batch of entries in one round trip, so Redis memory does not grow
+  with history and a stream's length equals its backlog (the producer's backpressure relies on it).
+* ``dead_letter`` writes stage, reason and the original fields to the DLQ, then acks the entry (in that
+  order: a crash between the two leaves a duplicate dead letter, never a lost entry).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ResponseError
+
+from pipeline import metrics
+from pipeline.config import StreamSettings
+from pipeline.keys import Keys
+from pipeline.producer import F_DATA, F_ID, F_TYPE
+
+log = structlog.get_logger("distillq.consumer")
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One stream entry handed to this consumer."""
+
+    entry_id: str
+    fields: dict[bytes, bytes]
+    deliveries: int = 1
+    reclaimed: bool = False
+    received_at: float = field(default_factory=time.time)
+
+    @property
+    def payload(self) -> bytes:
+        return self.fields.get(F_DATA, b"")
+
+    @property
+    def group_id(self) -> str:
+        return self.fields.get(F_ID, b"").decode("utf-8", "replace")
+
+    @property
+    def mtype(self) -> str:
+        return self.fields.get(F_TYPE, b"").decode("utf-8", "replace")
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since the entry was added (from its stream id)."""
+        ms = int(self.entry_id.split("-", 1)[0])
+        return max(0.0, self.received_at - ms / 1000)
+
+
+def _entry_id(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class StreamConsumer:
+    """One consumer (``name``) of the consumer group that reads ``stream``."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        stream: str,
+        name: str,
+        settings: StreamSettings | None = None,
+        *,
+        stage: str | None = None,
+        group: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.redis, self.keys, self.stream, self.name = redis, keys, stream, name
+        self.settings = settings or StreamSettings()
+        self.key = keys.stream(stream)
+        self.group = group or keys.consumer_group(stream)
+        self.stage = stage or self.group
+        self._clock = clock
+        self._last_claim = float("-inf")
+        self.owned: set[str] = set()  # entries handed out by this consumer and not yet settled
+
+    async def ensure_group(self) -> None:
+        """Create the stream and its consumer group if missing (reading from the start)."""
+        try:
+            await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read(self, count: int, block_ms: int | None = None) -> list[Delivery]:
+        """Up to ``count`` deliveries: reclaimed ones first, then new ones (blocking if none)."""
+        if count <= 0:
+            return []
+        out: list[Delivery] = []
+        now = self._clock()
+        if now - self._last_claim >= self.settings.claim_interval_ms / 1000:
+            self._last_claim = now
+            out = await self.reclaim(count)
+        if len(out) < count:
+            block = None if out else (self.settings.block_ms if block_ms is None else block_ms)
+            resp = await self.redis.xreadgroup(
+                self.group, self.name, {self.key: ">"}, count=count - len(out), block=block
+            )
+            for _stream, entries in resp or ():
+                for eid, fields in entries:
+                    if fields is not None:
+                        out.append(Delivery(_entry_id(eid), fields))
+                        self.owned.add(out[-1].entry_id)
+        if out:
+            metrics.CONSUMED.labels(self.stream, "new").inc(sum(not d.reclaimed for d in out))
+        return out
+
+    async def reclaim(self, count: int) -> list[Delivery]:
+        """Claim entries idle longer than ``claim_idle_ms`` (never our own in-flight ones).
+
+        XPENDING (with IDLE) lists candidates with their delivery counts; XCLAIM with the same
+        min-idle takes them, so two reclaimers never both get an entry. Entries delivered more than
+        ``max_deliveries`` times are dead-lettered instead of handed out.
+        """
+        s = self.settings
+        rows: Any = await self.redis.xpending_range(
+            self.key, self.group, min="-", max="+", count=count + len(self.owned), idle=s.claim_idle_ms
+        )
+        counts = {_entry_id(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        ids = [eid for eid in counts if eid not in self.owned][:count]
+        if not ids:
+            return []
+        claimed: Any = await self.redis.xclaim(self.key, self.group, self.name, s.claim_idle_ms, ids)
+        out: list[Delivery] = []
+        for eid_raw, fields in claimed:
+            eid = _entry_id(eid_raw)
+            if fields is None:
+                continue
+            d = Delivery(eid, fields, deliveries=counts.get(eid, 1) + 1, reclaimed=True)
+            if d.deliveries > s.max_deliveries:
+                await self.dead_letter(d, f"max_deliveries: delivered {d.deliveries} times without success")
+            else:
+                self.owned.add(eid)
+                out.append(d)
+        if out:
+            metrics.CONSUMED.labels(self.stream, "reclaimed").inc(len(out))
+            log.info("reclaimed", stream=self.stream, consumer=self.name, count=len(out))
+        return out
+
+    async def touch(self) -> None:
+        """Reset the idle time of our in-flight entries (a lease renewal) so nobody reclaims them."""
+        if self.owned:
+            await self.redis.xclaim(self.key, self.group, self.name, 0, list(self.owned), justid=True)
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        """Stop owning entries we will not ack (they stay pending and become reclaimable)."""
+        for d in deliveries:
+            self.owned.discard(d.entry_id)
+
+    async def ack(self, deliveries: Sequence[Delivery] | Sequence[str]) -> None:
+        """Acknowledge and delete entries, in one round trip."""
+        ids = [d if isinstance(d, str) else d.entry_id for d in deliveries]
+        if not ids:
+            return
+        async with self.redis.pipeline(transaction=False) as p:
+            p.xack(self.key, self.group, *ids)
+            p.xdel(self.key, *ids)
+            await p.execute()
+        self.owned.difference_update(ids)
+        metrics.ACKED.labels(self.stream).inc(len(ids))
+
+    async def dead_letter(self, d: Delivery, reason: str) -> None:
+        """Move an entry to the dead-letter stream with its stage and reason, then ack it."""
+        fields: dict[bytes | str, bytes | str | int] = {
+            "stage": self.stage,
+            "reason": reason[:2000],
+            "source": self.stream,
+            "source_id": d.entry_id,
+            "deliveries": d.deliveries,
+            "consumer": self.name,
+            "at_ms": int(time.time() * 1000),
+        }
+        for k, v in d.fields.items():
+            fields[b"orig_" + k] = v
+        await self.redis.xadd(self.keys.dlq, fields)  # type: ignore[arg-type]
+        await self.ack([d])
+        short = reason.split(":", 1)[0][:64]
+        metrics.DEAD_LETTERED.labels(self.stage, short).inc()
+        log.warning("dead_lettered", stream=self.stream, entry_id=d.entry_id, group_id=d.group_id, reason=reason)
+
+    async def pending_count(self) -> int:
+        info: Any = await self.redis.xpending(self.key, self.group)
+        return int(info["pending"])
+
+    async def backlog(self) -> int:
+        """Entries not yet acknowledged (pending plus never delivered)."""
+        return int(await self.redis.xlen(self.key))
+

@@ -1,0 +1,42 @@
+"""Prometheus metrics, one definition each, labelled by stage or stream.
+
+Exposed per worker with ``serve_metrics`` (bound to 127.0.0.1 unless configured otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+PRODUCED: Final = Counter("distillq_produced_total", "entries added to a stream", ["stream"])
+PRODUCED_BYTES: Final = Counter("distillq_produced_bytes_total", "payload bytes added", ["stream"])
+DEDUPED: Final = Counter("distillq_deduplicated_total", "adds skipped: group id already written", ["stream"])
+BACKPRESSURE_WAIT: Final = Histogram(
+    "distillq_backpressure_wait_seconds", "time producers waited for stream capacity", ["stream"]
+)
+CONSUMED: Final = Counter("distillq_consumed_total", "entries read from a stream", ["stream", "source"])
+ACKED: Final = Counter("distillq_acked_total", "entries acknowledged and deleted", ["stream"])
+DEAD_LETTERED: Final = Counter("distillq_dead_lettered_total", "entries sent to the DLQ", ["stage", "reason"])
+DECODE_ERRORS: Final = Counter("distillq_decode_errors_total", "undecodable entries", ["stage"])
+STAGE_MESSAGES: Final = Counter("distillq_stage_messages_total", "messages handled", ["stage", "outcome"])
+STAGE_LATENCY: Final = Histogram("distillq_stage_batch_seconds", "time to handle one read batch", ["stage"])
+QUEUE_LAG: Final = Histogram(
+    "distillq_queue_lag_seconds",
+    "age of an entry when a stage reads it",
+    ["stage"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+IN_FLIGHT: Final = Gauge("distillq_in_flight", "messages being handled", ["stage"])
+REDIS_ERRORS: Final = Counter("distillq_redis_errors_total", "transient Redis errors (retried)", ["stage"])
+
+TEACHER_GROUPS: Final = Counter("distillq_teacher_groups_total", "groups scored, by status", ["status"])
+TEACHER_DROPS: Final = Counter("distillq_teacher_drops_total", "distill payloads dropped, by reason", ["reason"])
+TEACHER_TOKENS: Final = Counter("distillq_teacher_tokens_total", "tokens scored by the teacher")
+TEACHER_LATENCY: Final = Histogram("distillq_teacher_call_seconds", "teacher backend call latency")
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Expose /metrics on ``host:port`` (port 0 disables)."""
+    if port:
+        start_http_server(port, addr=host)

@@ -1,0 +1,136 @@
+"""Producer: one XADD per message, with backpressure and idempotent hand-off.
+
+A Lua script does, atomically on the stream's hash slot:
+  1. if the dedupe marker for this group id exists -> report the entry already written (no XADD);
+  2. if the stream holds ``max_backlog`` entries or more -> report "full" (nothing written);
+  3. XADD the entry and set the dedupe marker (with a TTL) to its id.
+When full, the producer waits (backing off) and retries until ``backpressure_timeout_s``, then raises
+``BackpressureTimeout``. It never trims: unconsumed entries are never deleted to make room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass
+from typing import Final
+
+import redis.asyncio as aioredis
+import structlog
+
+from pipeline import metrics
+from pipeline.config import StreamSettings
+from pipeline.connection import Backoff, retry_transient
+from pipeline.keys import Keys
+from schemas import Message, RolloutGroup, ScoredGroup, TrainBatch, encode
+
+log = structlog.get_logger("distillq.producer")
+
+_ADD: Final = """
+if #KEYS > 1 then
+  local seen = redis.call('GET', KEYS[2])
+  if seen then return {2, seen} end
+end
+local cap = tonumber(ARGV[1])
+if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, ''} end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+if #KEYS > 1 then redis.call('SET', KEYS[2], id, 'PX', ARGV[2]) end
+return {1, id}
+"""
+
+#: Stream entry fields: message type, group (or batch) id, msgpack payload.
+F_TYPE: Final = b"t"
+F_ID: Final = b"gid"
+F_DATA: Final = b"d"
+
+
+class BackpressureTimeout(TimeoutError):
+    """The stream stayed at its backlog cap for longer than the configured timeout."""
+
+
+class ProducerStopped(RuntimeError):
+    """``stop`` was set while waiting for stream capacity; nothing was written."""
+
+
+class AddResult(enum.Enum):
+    ADDED = "added"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True)
+class Added:
+    result: AddResult
+    entry_id: str
+
+
+def message_type(msg: Message) -> bytes:
+    return {RolloutGroup: b"rollout", ScoredGroup: b"scored", TrainBatch: b"batch"}[type(msg)]
+
+
+def message_id(msg: Message) -> str:
+    if isinstance(msg, RolloutGroup):
+        return msg.group_id
+    if isinstance(msg, ScoredGroup):
+        return msg.group.group_id
+    return msg.batch_id
+
+
+class StreamProducer:
+    """Writes messages to one stage stream of a pipeline."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        stream: str,
+        settings: StreamSettings | None = None,
+        *,
+        dedupe: bool = True,
+    ) -> None:
+        self.redis, self.keys, self.stream = redis, keys, stream
+        self.settings = settings or StreamSettings()
+        self.dedupe = dedupe
+        self.key = keys.stream(stream)
+        self._script = redis.register_script(_ADD)
+
+    async def send(self, msg: Message, *, stop: asyncio.Event | None = None) -> Added:
+        """Encode and add ``msg``; waits while the stream is full. Idempotent by group id."""
+        return await self.send_raw(encode(msg), message_type(msg), message_id(msg), stop=stop)
+
+    async def send_raw(
+        self, payload: bytes, mtype: bytes, mid: str, *, stop: asyncio.Event | None = None
+    ) -> Added:
+        s = self.settings
+        keys = [self.key, self.keys.seen(self.stream, mid)] if self.dedupe else [self.key]
+        args: list[bytes | str | int] = [s.max_backlog, s.dedupe_ttl_s * 1000, F_TYPE, mtype, F_ID, mid, F_DATA, payload]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.backpressure_timeout_s
+        backoff = Backoff(base=0.01, cap=0.5)
+        waited_since: float | None = None
+        while True:
+            code, entry = await retry_transient(
+                lambda: self._script(keys=keys, args=args),  # type: ignore[no-any-return]
+                stop=stop,
+                deadline_s=max(1.0, deadline - loop.time()),
+            )
+            if code == 1:
+                metrics.PRODUCED.labels(self.stream).inc()
+                metrics.PRODUCED_BYTES.labels(self.stream).inc(len(payload))
+                if waited_since is not None:
+                    metrics.BACKPRESSURE_WAIT.labels(self.stream).observe(time.monotonic() - waited_since)
+                return Added(AddResult.ADDED, entry.decode())
+            if code == 2:
+                metrics.DEDUPED.labels(self.stream).inc()
+                return Added(AddResult.DUPLICATE, entry.decode())
+            if waited_since is None:
+                waited_since = time.monotonic()
+                log.info("backpressure_wait", stream=self.stream, cap=s.max_backlog, group_id=mid)
+            if stop is not None and stop.is_set():
+                raise ProducerStopped(f"stop requested while waiting for capacity on {self.stream!r}")
+            if loop.time() >= deadline:
+                raise BackpressureTimeout(
+                    f"stream {self.stream!r} held >= {s.max_backlog} unconsumed entries for "
+                    f"{s.backpressure_timeout_s:.0f} s; is its consumer running?"
+                )
+            await asyncio.sleep(min(backoff.next_delay() + 0.005, max(0.0, deadline - loop.time())))

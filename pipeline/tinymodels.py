@@ -1,0 +1,138 @@
+"""Tiny local models for tests and the demo (no model hub): a byte-level BPE tokenizer trained in
+under a second on a synthetic arithmetic corpus, and Llama-architecture teacher/student models
+sharing it. Built once and cached under a git-ignored folder (``.cache/tiny`` by default).
+
+Attention head size is 32 so vLLM's CPU backend can load them too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CACHE = Path(os.environ.get("DISTILLQ_CACHE", ".cache")) / "tiny"
+VOCAB_SIZE = 512
+SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|tool|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['content'] }}"
+    "{% else %}<|assistant|>{{ m['content'] }}</s>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+#: name -> (hidden, layers, heads, intermediate)
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "teacher": (128, 4, 4, 256),
+    "student": (64, 2, 2, 128),
+}
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    root: Path
+    tokenizer: Path
+    teacher: Path
+    student: Path
+
+
+def arithmetic_problem(rng: random.Random) -> tuple[str, str]:
+    """One synthetic task: a prompt and its answer (the demo's teacher learns these)."""
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    return f"{a}+{b}=", f"{a + b}"
+
+
+def corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        p, a = arithmetic_problem(rng)
+        lines.append(f"<|user|>{p}<|assistant|>{a}</s>")
+    lines += ["The quick brown fox jumps over the lazy dog.", "Hello world! Tool output: 42"] * 50
+    return lines
+
+
+def _key(seed: int) -> str:
+    spec = json.dumps({"v": 2, "vocab": VOCAB_SIZE, "sizes": SIZES, "seed": seed}, sort_keys=True)
+    return hashlib.sha256(spec.encode()).hexdigest()[:12]
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=2048
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build_model(out: Path, name: str, vocab_size: int, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, inter = SIZES[name]
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def ensure_tiny_models(cache: Path | None = None, seed: int = 0) -> TinyModels:
+    """Build (or reuse from the cache) the tokenizer, teacher and student. About 2 s on 2 CPU cores."""
+    root = (cache or DEFAULT_CACHE) / _key(seed)
+    tm = TinyModels(root, root / "tokenizer", root / "teacher", root / "student")
+    done = root / "DONE"
+    if done.exists():
+        return tm
+    root.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(tm.tokenizer)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(tm.tokenizer)))
+    for i, (name, path) in enumerate((("teacher", tm.teacher), ("student", tm.student))):
+        build_model(path, name, vocab, seed + i)
+        # Each model dir carries the shared tokenizer, so `--model DIR` is enough to load both.
+        AutoTokenizer.from_pretrained(str(tm.tokenizer)).save_pretrained(str(path))
+    done.write_text("ok\n")
+    return tm
+
+
+def load_causal_lm(path: str | Path) -> Any:
+    """Load a causal LM in float32 on CPU, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    return model

@@ -1,0 +1,37 @@
+"""distillq wire contract: msgspec Structs for every stream message, and the raw array codec."""
+
+from schemas.arrays import FLOAT16, FLOAT16_MAX_RELATIVE_ERROR, FLOAT32, INT32, UINT8, Array, ArrayError
+from schemas.codec import decode, encode
+from schemas.messages import (
+    SCHEMA_VERSION,
+    DistillStatus,
+    Message,
+    RolloutGroup,
+    ScoredGroup,
+    Sequence,
+    TeacherPayload,
+    TrainBatch,
+)
+from schemas.validate import DecodeError, Limits
+
+__all__ = [
+    "FLOAT16",
+    "FLOAT16_MAX_RELATIVE_ERROR",
+    "FLOAT32",
+    "INT32",
+    "SCHEMA_VERSION",
+    "UINT8",
+    "Array",
+    "ArrayError",
+    "DecodeError",
+    "DistillStatus",
+    "Limits",
+    "Message",
+    "RolloutGroup",
+    "ScoredGroup",
+    "Sequence",
+    "TeacherPayload",
+    "TrainBatch",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,122 @@
+"""Constructors from numpy arrays, and a synthetic group generator for tests and benchmarks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas.arrays import FLOAT16, FLOAT32, INT32, UINT8, Array
+from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
+
+
+def make_sequence(
+    tokens: npt.ArrayLike,
+    loss_mask: npt.ArrayLike,
+    *,
+    prompt_len: int | None = None,
+    logprobs: npt.ArrayLike | None = None,
+    score: float = 0.0,
+    overrides: dict[str, Any] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    advantages: npt.ArrayLike | None = None,
+    ref_logprobs: npt.ArrayLike | None = None,
+) -> Sequence:
+    """Build a ``Sequence``; ``prompt_len`` defaults to the first trainable position."""
+    tok = np.asarray(tokens, dtype=np.int32)
+    mask = np.asarray(loss_mask).astype(np.uint8)
+    if prompt_len is None:
+        nz = np.flatnonzero(mask)
+        prompt_len = int(nz[0]) if nz.size else int(tok.shape[0])
+    f32 = lambda a: None if a is None else Array.from_numpy(np.asarray(a), FLOAT32)  # noqa: E731
+    lp = None
+    if logprobs is not None:
+        lp = np.where(mask.astype(bool), np.asarray(logprobs, dtype=np.float32), np.float32(0.0))
+    return Sequence(
+        tokens=Array.from_numpy(tok, INT32),
+        loss_mask=Array.from_numpy(mask, UINT8),
+        prompt_len=prompt_len,
+        logprobs=f32(lp),
+        score=float(score),
+        overrides=overrides,
+        messages=messages,
+        advantages=f32(advantages),
+        ref_logprobs=f32(ref_logprobs),
+    )
+
+
+def make_teacher(
+    topk_ids: npt.ArrayLike, topk_logprobs: npt.ArrayLike, sampled_logprobs: npt.ArrayLike, *, fp16: bool = False
+) -> TeacherPayload:
+    ids = np.asarray(topk_ids, dtype=np.int32)
+    return TeacherPayload(
+        k=int(ids.shape[1]),
+        topk_ids=Array.from_numpy(ids, INT32),
+        topk_logprobs=Array.from_numpy(np.asarray(topk_logprobs), FLOAT16 if fp16 else FLOAT32),
+        sampled_logprobs=Array.from_numpy(np.asarray(sampled_logprobs), FLOAT32),
+    )
+
+
+def synthetic_rollout(
+    num_seqs: int = 8,
+    seq_len: int | Seq[int] = 64,
+    *,
+    vocab: int = 1000,
+    prompt_len: int = 8,
+    group_id: str | None = None,
+    policy_version: int = 0,
+    seed: int = 0,
+    group_overrides: dict[str, Any] | None = None,
+) -> RolloutGroup:
+    """A random but valid rollout group (sequences may have unequal lengths)."""
+    rng = np.random.default_rng(seed)
+    lens = [seq_len] * num_seqs if isinstance(seq_len, int) else list(seq_len)
+    seqs = []
+    for n in lens:
+        tok = rng.integers(0, vocab, n, dtype=np.int32)
+        mask = np.zeros(n, np.uint8)
+        mask[min(prompt_len, n - 1) :] = 1
+        mask[0] = 0
+        lp = -rng.exponential(1.0, n).astype(np.float32)
+        seqs.append(make_sequence(tok, mask, logprobs=lp, score=float(rng.random())))
+    return RolloutGroup(
+        group_id=group_id or uuid.uuid4().hex,
+        sequences=seqs,
+        policy_version=policy_version,
+        created_at=time.time(),
+        group_overrides=group_overrides,
+    )
+
+
+def synthetic_teacher(seq: Sequence, k: int, *, vocab: int = 1000, seed: int = 0, fp16: bool = False) -> TeacherPayload:
+    """A random teacher payload that obeys the position convention for ``seq``."""
+    rng = np.random.default_rng(seed)
+    tok = seq.tokens.numpy()
+    rows = tok.shape[0] - 1
+    ids = np.empty((rows, k), np.int32)
+    for r in range(rows):  # distinct ids per row
+        ids[r] = rng.choice(vocab, size=k, replace=False)
+    lps = np.sort(-rng.exponential(2.0, (rows, k)).astype(np.float32), axis=1)[:, ::-1]
+    sampled = lps[:, -1] - rng.exponential(1.0, rows).astype(np.float32)
+    hit = ids == tok[1:, None]
+    has = hit.any(axis=1)
+    sampled[has] = lps[has, hit[has].argmax(axis=1)]
+    if fp16:
+        lps16 = lps.astype(np.float16).astype(np.float32)
+        sampled[has] = lps16[has, hit[has].argmax(axis=1)]
+    return make_teacher(ids, lps, sampled, fp16=fp16)
+
+
+def synthetic_scored(rollout: RolloutGroup, k: int = 20, *, vocab: int = 1000, seed: int = 0) -> ScoredGroup:
+    return ScoredGroup(
+        group=rollout,
+        status=DistillStatus.OK,
+        teacher=[synthetic_teacher(s, k, vocab=vocab, seed=seed + i) for i, s in enumerate(rollout.sequences)],
+        k=k,
+        teacher_id="synthetic",
+        scored_at=time.time(),
+    )

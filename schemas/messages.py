@@ -1,0 +1,128 @@
+"""Wire messages: one msgspec Struct per kind of stream entry.
+
+Position convention (checked on decode, see ``schemas.validate``)
+------------------------------------------------------------------
+A sequence has ``L`` tokens ``tokens[0..L-1]`` (prompt, completions, later turns).
+
+* Per-token arrays (``tokens``, ``loss_mask``, ``logprobs``, ``advantages``, ``ref_logprobs``) have
+  length ``L``; entry ``p`` is about token ``p``: ``logprobs[p] = log pi_student(tokens[p] | tokens[:p])``
+  and ``loss_mask[p] = 1`` when token ``p`` was sampled by the student and is trained on. Position 0 has
+  no prefix and is never trainable; ``logprobs`` is 0.0 wherever ``loss_mask`` is 0.
+* Teacher arrays are *logits-aligned*: they have ``L - 1`` rows and row ``r`` is the teacher's
+  distribution of token ``r + 1`` given ``tokens[:r + 1]``, i.e. the output at input position ``r``,
+  matched with the label ``tokens[r + 1]``. So ``teacher.sampled_logprobs[r] =
+  log pi_teacher(tokens[r + 1] | tokens[:r + 1])`` pairs with ``logprobs[r + 1]`` and
+  ``loss_mask[r + 1]``. ``topk_ids[r]``/``topk_logprobs[r]`` hold exactly ``k`` entries sorted by
+  logprob, highest first. The reference system's layout (entry ``p`` for token ``p``, entry 0 empty) is
+  ``[[]] + rows``; ``schemas.atropos`` converts at the boundary.
+
+Schema evolution: every message carries ``schema``; new fields are appended with defaults only and
+readers skip fields they do not know (unknown fields are never forbidden), so rolling deploys work.
+``schema`` is bumped only on an incompatible change, which older readers reject with a clear error.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Final
+
+import msgspec
+
+from schemas.arrays import Array
+
+#: Current wire schema. Readers accept messages whose ``schema`` is at most this.
+SCHEMA_VERSION: Final = 1
+
+
+class DistillStatus(enum.Enum):
+    """Whether a scored group carries the teacher's payload."""
+
+    OK = "ok"
+    SKIPPED = "skipped"  # group_overrides.skip_teacher_top_k, or the group was discarded upstream
+    DROPPED = "dropped"  # a sequence failed or came back misaligned; ``reason`` says which and why
+
+
+class TeacherPayload(msgspec.Struct, frozen=True, kw_only=True):
+    """The teacher's view of one sequence (logits-aligned, ``L - 1`` rows)."""
+
+    k: int
+    topk_ids: Array  # int32 [L-1, k]
+    topk_logprobs: Array  # float32 (or float16, see schemas.arrays) [L-1, k], sorted descending per row
+    sampled_logprobs: Array  # float32 [L-1]: teacher logprob of tokens[r + 1]
+
+
+class Sequence(msgspec.Struct, frozen=True, kw_only=True):
+    """One trajectory: prompt plus completion(s), multi-turn aware through ``loss_mask``."""
+
+    tokens: Array  # int32 [L]
+    loss_mask: Array  # uint8 [L], 1 = trainable (sampled by the student)
+    prompt_len: int  # tokens of the first prompt; loss_mask[:prompt_len] is 0
+    logprobs: Array | None = None  # float32 [L], student logprob per token, 0.0 where not trainable
+    score: float = 0.0
+    advantages: Array | None = None  # float32 [L], optional precomputed advantages
+    ref_logprobs: Array | None = None  # float32 [L]
+    overrides: dict[str, Any] | None = None  # per-sequence overrides (set_advantage_to_zero, temperature)
+    messages: list[dict[str, Any]] | None = None  # chat messages, for debugging only
+    spans: list[tuple[int, int]] | None = None  # optional explicit trainable [start, end) spans
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[0] if self.tokens.shape else 0
+
+
+class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True, tag="rollout", tag_field="t"):
+    """G sequences answering one prompt, as sampled by the student."""
+
+    group_id: str
+    sequences: list[Sequence]
+    schema: int = SCHEMA_VERSION
+    env_id: int = 0
+    task_id: str = ""
+    policy_version: int = 0
+    created_at: float = 0.0
+    group_overrides: dict[str, Any] | None = None  # null and absent mean the same
+    generation_params: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    discard: bool = False  # marked for discarding upstream: never sent to the teacher
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """``group_overrides`` with ``None`` read as empty."""
+        return self.group_overrides or {}
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.sequences)
+
+
+class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True, tag="scored", tag_field="t"):
+    """A rollout group plus the teacher's payload per sequence (or the reason it has none)."""
+
+    group: RolloutGroup
+    status: DistillStatus
+    teacher: list[TeacherPayload] | None = None  # one per sequence when status is OK
+    reason: str | None = None  # why the payload was dropped or skipped
+    k: int = 0  # the k used for this group (after overrides and caps)
+    teacher_id: str = ""  # model name and self-test checksum of the scoring teacher
+    scored_at: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def group_id(self) -> str:
+        return self.group.group_id
+
+
+class TrainBatch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="t"):
+    """Whole scored groups plus per-token advantages, ready for a learner step."""
+
+    batch_id: str
+    groups: list[ScoredGroup]
+    advantages: list[Array]  # float32 [L] per sequence, groups flattened in order
+    kl_coef: float = 0.0
+    policy_version: int = 0  # learner version the feeder saw when batching
+    created_at: float = 0.0
+    stats: dict[str, float] | None = None
+    schema: int = SCHEMA_VERSION
+
+
+Message = RolloutGroup | ScoredGroup | TrainBatch

@@ -1,0 +1,287 @@
+"""Validation of decoded messages. Every failure is a ``DecodeError`` naming the field.
+
+Two levels:
+
+* structural (always): dtypes, shapes, byte lengths, lengths consistent across fields, k within the
+  bound, sequence counts, schema version. O(number of arrays), reading only array headers.
+* values (``Limits.check_values``, on by default): logprobs finite, ids non-negative and below the
+  vocabulary, masks 0/1, and the teacher position convention spot-checked on a spread of rows (the
+  sampled token's logprob agrees with its top-k entry, rows are sorted). Single-pass reductions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NoReturn
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas.arrays import (
+    _ITEMSIZE,
+    FLOAT16,
+    FLOAT16_MAX_RELATIVE_ERROR,
+    FLOAT32,
+    INT32,
+    UINT8,
+    Array,
+    ArrayError,
+)
+from schemas.messages import (
+    SCHEMA_VERSION,
+    DistillStatus,
+    Message,
+    RolloutGroup,
+    ScoredGroup,
+    Sequence,
+    TeacherPayload,
+    TrainBatch,
+)
+
+MiB = 1 << 20
+
+_I32 = (INT32,)
+_U8 = (UINT8,)
+_F32 = (FLOAT32,)
+_LOGPROB = (FLOAT32, FLOAT16)
+
+#: One teacher payload's arrays queued for the position-convention spot check.
+_Convention = tuple[str, npt.NDArray[np.generic], npt.NDArray[np.generic], npt.NDArray[np.generic],
+                    npt.NDArray[np.generic]]
+
+
+class DecodeError(ValueError):
+    """A message is not a valid distillq message. ``field`` names where it went wrong."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds a reader enforces. Configure them from settings; defaults suit most deployments."""
+
+    max_bytes: int = 512 * MiB
+    max_k: int = 256
+    max_seq_len: int = 1 << 20
+    max_sequences: int = 4096
+    vocab_size: int | None = None
+    check_values: bool = True
+    check_rows: int = 32  # teacher rows spot-checked for the position convention
+    logprob_tolerance: float = 1e-3
+
+
+def _bad_array(a: Array, name: str, dtypes: tuple[str, ...], ndim: int) -> NoReturn:
+    try:
+        a.check(name)
+    except ArrayError as e:
+        raise DecodeError(name, str(e).split(": ", 1)[-1]) from None
+    if a.dtype not in dtypes:
+        raise DecodeError(name, f"dtype {a.dtype} (expected {' or '.join(dtypes)})")
+    raise DecodeError(name, f"shape {a.shape} has {len(a.shape)} dims (expected {ndim})")
+
+
+def _shape(a: Array, name: str, field: str, dtypes: tuple[str, ...], ndim: int) -> tuple[int, ...]:
+    """Check dtype, dims and byte length from the header alone; the field name is built only on error."""
+    shape = a.shape
+    if a.dtype in dtypes and len(shape) == ndim:
+        size = _ITEMSIZE[a.dtype]
+        for d in shape:
+            if d < 0:
+                break
+            size *= d
+        else:
+            data = a.data
+            if data.nbytes == size and data.ndim == 1 and data.itemsize == 1:
+                return shape
+    _bad_array(a, name + field, dtypes, ndim)
+
+
+def _finite(x: npt.NDArray[np.generic], name: str) -> None:
+    if not x.size:
+        return
+    if x.dtype == np.float16:  # exponent bits all ones <=> inf or nan; avoids slow float16 arithmetic
+        ok = int((x.view(np.uint16) & 0x7C00).max()) != 0x7C00
+    else:
+        ok = bool(np.isfinite(x).all())
+    if not ok:
+        bad = int(np.flatnonzero(~np.isfinite(x.reshape(-1)))[0])
+        raise DecodeError(name, f"non-finite value at flat index {bad}")
+
+
+def _ids(x: npt.NDArray[np.generic], name: str, limits: Limits) -> None:
+    if not x.size:
+        return
+    lo, hi = int(x.min()), int(x.max())
+    if lo < 0:
+        raise DecodeError(name, f"negative token id {lo}")
+    if limits.vocab_size is not None and hi >= limits.vocab_size:
+        raise DecodeError(name, f"token id {hi} outside vocabulary of {limits.vocab_size}")
+
+
+def _per_token(a: Array | None, name: str, field: str, n: int, limits: Limits) -> None:
+    if a is None:
+        return
+    if _shape(a, name, field, _F32, 1)[0] != n:
+        raise DecodeError(name + field, f"length {a.shape[0]} != {n} tokens")
+    if limits.check_values:
+        _finite(a.numpy(), name + field)
+
+
+def validate_sequence(seq: Sequence, name: str, limits: Limits) -> None:
+    n = _shape(seq.tokens, name, ".tokens", _I32, 1)[0]
+    if n < 1 or n > limits.max_seq_len:
+        raise DecodeError(f"{name}.tokens", f"length {n} outside [1, {limits.max_seq_len}]")
+    if _shape(seq.loss_mask, name, ".loss_mask", _U8, 1)[0] != n:
+        raise DecodeError(f"{name}.loss_mask", f"length {seq.loss_mask.shape[0]} != {n} tokens")
+    if not 0 <= seq.prompt_len <= n:
+        raise DecodeError(f"{name}.prompt_len", f"{seq.prompt_len} outside [0, {n}]")
+    _per_token(seq.logprobs, name, ".logprobs", n, limits)
+    _per_token(seq.advantages, name, ".advantages", n, limits)
+    _per_token(seq.ref_logprobs, name, ".ref_logprobs", n, limits)
+    for i, (start, end) in enumerate(seq.spans or ()):
+        if not 0 < start <= end <= n:
+            raise DecodeError(f"{name}.spans[{i}]", f"[{start}, {end}) outside (0, {n}]")
+    if limits.check_values:
+        _ids(seq.tokens.numpy(), f"{name}.tokens", limits)
+        mask = seq.loss_mask.numpy()
+        if int(mask.max()) > 1:
+            raise DecodeError(f"{name}.loss_mask", "values must be 0 or 1")
+        if mask[: max(seq.prompt_len, 1)].any():
+            raise DecodeError(f"{name}.loss_mask", "prompt positions (and position 0) must be 0")
+
+
+def _teacher(t: TeacherPayload, n: int, name: str, limits: Limits) -> _Convention | None:
+    """Check one payload against a sequence of ``n`` tokens; return its arrays for the convention check."""
+    if not 1 <= t.k <= limits.max_k:
+        raise DecodeError(f"{name}.k", f"{t.k} outside [1, {limits.max_k}]")
+    rows = (n - 1, t.k)
+    if _shape(t.topk_ids, name, ".topk_ids", _I32, 2) != rows:
+        raise DecodeError(f"{name}.topk_ids", f"shape {t.topk_ids.shape} != {rows} (L-1 rows of k, logits-aligned)")
+    if _shape(t.topk_logprobs, name, ".topk_logprobs", _LOGPROB, 2) != rows:
+        shape = t.topk_logprobs.shape
+        raise DecodeError(f"{name}.topk_logprobs", f"shape {shape} != {rows} (L-1 rows of k, logits-aligned)")
+    if _shape(t.sampled_logprobs, name, ".sampled_logprobs", _F32, 1) != (n - 1,):
+        shape = t.sampled_logprobs.shape
+        raise DecodeError(f"{name}.sampled_logprobs", f"shape {shape} != ({n - 1},)")
+    if not limits.check_values:
+        return None
+    ids, lps, sampled = t.topk_ids.numpy(), t.topk_logprobs.numpy(), t.sampled_logprobs.numpy()
+    _ids(ids, f"{name}.topk_ids", limits)
+    _finite(lps, f"{name}.topk_logprobs")
+    _finite(sampled, f"{name}.sampled_logprobs")
+    return name, ids, lps, sampled, np.empty(0)
+
+
+def validate_teacher(t: TeacherPayload, tokens: npt.NDArray[np.generic], name: str, limits: Limits) -> None:
+    part = _teacher(t, tokens.shape[0], name, limits)
+    if part is not None:
+        _check_convention([(*part[:4], tokens)], limits)
+
+
+def _check_convention(parts: list[_Convention], limits: Limits) -> None:
+    """Row r must describe token r+1: its sampled logprob matches its top-k entry or lies below row r.
+
+    Spot-checks up to ``limits.check_rows`` evenly spread rows of every payload, all payloads at once
+    (they share k). Each part is ``(name, topk_ids, topk_logprobs, sampled_logprobs, tokens)``.
+    """
+    picked = []
+    for name, ids, lps, sampled, tokens in parts:
+        n_rows = ids.shape[0]
+        if n_rows:
+            m = min(limits.check_rows, n_rows)
+            rows = np.arange(m) * (n_rows - 1) // max(m - 1, 1)  # distinct, includes first and last
+            rel = FLOAT16_MAX_RELATIVE_ERROR if lps.dtype == np.float16 else 0.0
+            picked.append((name, rows, rel, ids[rows], lps[rows], sampled[rows], tokens[rows + 1]))
+    if not picked:
+        return
+    counts = [len(p[1]) for p in picked]
+    r_ids = np.concatenate([p[3] for p in picked])
+    r_lps = np.concatenate([p[4] for p in picked]).astype(np.float64)
+    r_sampled = np.concatenate([p[5] for p in picked]).astype(np.float64)
+    labels = np.concatenate([p[6] for p in picked])
+    atol = limits.logprob_tolerance
+    tol = atol + np.repeat([p[2] for p in picked], counts) * np.abs(r_sampled)
+
+    def fail(flat: npt.NDArray[np.bool_], field: str, reason: str) -> NoReturn:
+        i = int(np.flatnonzero(flat)[0])
+        for (name, rows, *_), c in zip(picked, counts, strict=True):
+            if i < c:
+                r = int(rows[i])
+                raise DecodeError(f"{name}.{field}", reason.format(r=r, token=int(labels[i])))
+            i -= c
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    unsorted = (r_lps[:, 1:] - r_lps[:, :-1] > atol).any(axis=1)
+    if unsorted.any():
+        fail(unsorted, "topk_logprobs", "row {r} is not sorted by logprob, highest first")
+    if (r_lps[:, 0] > atol).any():
+        fail(r_lps[:, 0] > atol, "topk_logprobs", "logprob above 0 in row {r}")
+    hit = r_ids == labels[:, None]
+    in_topk = hit.any(axis=1)
+    got = r_lps[np.arange(r_lps.shape[0]), hit.argmax(axis=1)]
+    bad = np.where(in_topk, np.abs(got - r_sampled) > tol, r_sampled > r_lps[:, -1] + tol)
+    if bad.any():
+        fail(
+            bad,
+            "sampled_logprobs",
+            "row {r} disagrees with top-k for token {token}: "
+            "teacher arrays must be logits-aligned (row r predicts tokens[r+1])",
+        )
+
+
+def validate_rollout(g: RolloutGroup, limits: Limits, name: str = "group") -> None:
+    if not g.group_id:
+        raise DecodeError(f"{name}.group_id", "empty")
+    if not 1 <= len(g.sequences) <= limits.max_sequences:
+        raise DecodeError(f"{name}.sequences", f"{len(g.sequences)} sequences outside [1, {limits.max_sequences}]")
+    for i, s in enumerate(g.sequences):
+        validate_sequence(s, f"{name}.sequences[{i}]", limits)
+    k = g.overrides.get("teacher_top_k")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
+        raise DecodeError(f"{name}.group_overrides.teacher_top_k", f"must be an integer, got {k!r}")
+
+
+def validate_scored(s: ScoredGroup, limits: Limits, name: str = "scored") -> None:
+    validate_rollout(s.group, limits, f"{name}.group")
+    if s.status is DistillStatus.OK:
+        if s.teacher is None or len(s.teacher) != len(s.group.sequences):
+            got = "none" if s.teacher is None else len(s.teacher)
+            raise DecodeError(f"{name}.teacher", f"{got} payloads for {len(s.group.sequences)} sequences")
+        parts = []
+        for i, (t, seq) in enumerate(zip(s.teacher, s.group.sequences, strict=True)):
+            if t.k != s.k:
+                raise DecodeError(f"{name}.teacher[{i}].k", f"{t.k} != group k {s.k}")
+            part = _teacher(t, seq.tokens.shape[0], f"{name}.teacher[{i}]", limits)
+            if part is not None:
+                parts.append((*part[:4], seq.tokens.numpy()))
+        if parts:
+            _check_convention(parts, limits)
+    elif s.teacher is not None:
+        raise DecodeError(f"{name}.teacher", f"payload present with status {s.status.value}")
+    elif s.status is DistillStatus.DROPPED and not s.reason:
+        raise DecodeError(f"{name}.reason", "a dropped payload needs a reason")
+
+
+def validate_batch(b: TrainBatch, limits: Limits) -> None:
+    seqs = [seq for g in b.groups for seq in g.group.sequences]
+    if len(b.advantages) != len(seqs):
+        raise DecodeError("batch.advantages", f"{len(b.advantages)} arrays for {len(seqs)} sequences")
+    for i, g in enumerate(b.groups):
+        validate_scored(g, limits, f"batch.groups[{i}]")
+    for i, (a, seq) in enumerate(zip(b.advantages, seqs, strict=True)):
+        _per_token(a, f"batch.advantages[{i}]", "", seq.length, limits)
+
+
+def validate(msg: Message, limits: Limits) -> None:
+    """Raise ``DecodeError`` unless ``msg`` is a valid message under ``limits``."""
+    if msg.schema > SCHEMA_VERSION or msg.schema < 1:
+        raise DecodeError("schema", f"version {msg.schema} not supported (this reader: 1..{SCHEMA_VERSION})")
+    if isinstance(msg, RolloutGroup):
+        validate_rollout(msg, limits)
+    elif isinstance(msg, ScoredGroup):
+        validate_scored(msg, limits)
+    else:
+        validate_batch(msg, limits)
