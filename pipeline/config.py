@@ -28,6 +28,12 @@ class RedisSettings(BaseSettings):
         return v
 
 
+def redis_settings(redis_url: str | None = None, namespace: str | None = None) -> RedisSettings:
+    """Settings from the environment, with explicit values (when given) taking precedence."""
+    given = {k: v for k, v in (("redis_url", redis_url), ("namespace", namespace)) if v}
+    return RedisSettings(**given)  # type: ignore[arg-type]
+
+
 class StreamSettings(BaseSettings):
     """How stages use streams: caps, blocking reads, reclaim, dead-lettering, dedupe."""
 

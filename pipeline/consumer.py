@@ -81,10 +81,11 @@ class StreamConsumer:
         self.settings = settings or StreamSettings()
         self.key = keys.stream(stream)
         self.group = group or keys.consumer_group(stream)
-        self.stage = stage or self.group
+        self.stage: str = stage or self.group
         self._clock = clock
         self._last_claim = float("-inf")
         self.owned: set[str] = set()  # entries handed out by this consumer and not yet settled
+        self._own_cursor: str | None = "0"  # paging through our own pending entries; None when done
 
     async def ensure_group(self) -> None:
         """Create the stream and its consumer group if missing (reading from the start)."""
@@ -99,10 +100,13 @@ class StreamConsumer:
         if count <= 0:
             return []
         out: list[Delivery] = []
+        if self._own_cursor is not None:
+            # After a restart under the same name, our own unacknowledged entries come first.
+            out = await self._read_own_pending(count)
         now = self._clock()
-        if now - self._last_claim >= self.settings.claim_interval_ms / 1000:
+        if len(out) < count and now - self._last_claim >= self.settings.claim_interval_ms / 1000:
             self._last_claim = now
-            out = await self.reclaim(count)
+            out += await self.reclaim(count - len(out))
         if len(out) < count:
             block = None if out else (self.settings.block_ms if block_ms is None else block_ms)
             resp = await self.redis.xreadgroup(
@@ -115,6 +119,25 @@ class StreamConsumer:
                         self.owned.add(out[-1].entry_id)
         if out:
             metrics.CONSUMED.labels(self.stream, "new").inc(sum(not d.reclaimed for d in out))
+        return out
+
+    async def _read_own_pending(self, count: int) -> list[Delivery]:
+        cursor = self._own_cursor or "0"
+        resp: Any = await self.redis.xreadgroup(self.group, self.name, {self.key: cursor}, count=count)
+        out = []
+        seen = 0
+        for _stream, entries in resp or ():
+            for eid, fields in entries:
+                seen += 1
+                self._own_cursor = _entry_id(eid)
+                if fields:
+                    d = Delivery(_entry_id(eid), fields, deliveries=2, reclaimed=True)
+                    self.owned.add(d.entry_id)
+                    out.append(d)
+        if seen < count:
+            self._own_cursor = None
+        if out:
+            log.info("own_pending_redelivered", stream=self.stream, consumer=self.name, count=len(out))
         return out
 
     async def reclaim(self, count: int) -> list[Delivery]:
@@ -132,7 +155,7 @@ class StreamConsumer:
         ids = [eid for eid in counts if eid not in self.owned][:count]
         if not ids:
             return []
-        claimed: Any = await self.redis.xclaim(self.key, self.group, self.name, s.claim_idle_ms, ids)
+        claimed: Any = await self.redis.xclaim(self.key, self.group, self.name, s.claim_idle_ms, list[Any](ids))
         out: list[Delivery] = []
         for eid_raw, fields in claimed:
             eid = _entry_id(eid_raw)
@@ -152,7 +175,7 @@ class StreamConsumer:
     async def touch(self) -> None:
         """Reset the idle time of our in-flight entries (a lease renewal) so nobody reclaims them."""
         if self.owned:
-            await self.redis.xclaim(self.key, self.group, self.name, 0, list(self.owned), justid=True)
+            await self.redis.xclaim(self.key, self.group, self.name, 0, list[Any](self.owned), justid=True)
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Stop owning entries we will not ack (they stay pending and become reclaimable)."""

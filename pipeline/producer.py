@@ -1,9 +1,11 @@
 """Producer: one XADD per message, with backpressure and idempotent hand-off.
 
 A Lua script does, atomically on the stream's hash slot:
-  1. if the dedupe marker for this group id exists -> report the entry already written (no XADD);
+  1. if a dedupe marker of any of the message's ids exists -> report which (no XADD);
   2. if the stream holds ``max_backlog`` entries or more -> report "full" (nothing written);
-  3. XADD the entry and set the dedupe marker (with a TTL) to its id.
+  3. XADD the entry and set the dedupe markers (with a TTL) to its entry id.
+A group or rollout is deduplicated by its group id; a train batch by the ids of all its groups, so a
+group reaches the learner in at most one batch even when a restarted feeder re-batches it.
 When full, the producer waits (backing off) and retries until ``backpressure_timeout_s``, then raises
 ``BackpressureTimeout``. It never trims: unconsumed entries are never deleted to make room.
 """
@@ -28,15 +30,15 @@ from schemas import Message, RolloutGroup, ScoredGroup, TrainBatch, encode
 log = structlog.get_logger("distillq.producer")
 
 _ADD: Final = """
-if #KEYS > 1 then
-  local seen = redis.call('GET', KEYS[2])
-  if seen then return {2, seen} end
+for i = 2, #KEYS do
+  local seen = redis.call('GET', KEYS[i])
+  if seen then return {2, seen, i - 2} end
 end
 local cap = tonumber(ARGV[1])
-if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, ''} end
+if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, '', -1} end
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-if #KEYS > 1 then redis.call('SET', KEYS[2], id, 'PX', ARGV[2]) end
-return {1, id}
+for i = 2, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[2]) end
+return {1, id, -1}
 """
 
 #: Stream entry fields: message type, group (or batch) id, msgpack payload.
@@ -62,10 +64,17 @@ class AddResult(enum.Enum):
 class Added:
     result: AddResult
     entry_id: str
+    duplicate_index: int = -1  # for DUPLICATE: which of the dedupe ids was already written
 
 
 def message_type(msg: Message) -> bytes:
     return {RolloutGroup: b"rollout", ScoredGroup: b"scored", TrainBatch: b"batch"}[type(msg)]
+
+
+def dedupe_ids(msg: Message) -> list[str]:
+    if isinstance(msg, TrainBatch):
+        return [g.group_id for g in msg.groups]
+    return [message_id(msg)]
 
 
 def message_id(msg: Message) -> str:
@@ -96,21 +105,30 @@ class StreamProducer:
 
     async def send(self, msg: Message, *, stop: asyncio.Event | None = None) -> Added:
         """Encode and add ``msg``; waits while the stream is full. Idempotent by group id."""
-        return await self.send_raw(encode(msg), message_type(msg), message_id(msg), stop=stop)
+        return await self.send_raw(encode(msg), message_type(msg), message_id(msg), dedupe_ids(msg), stop=stop)
 
     async def send_raw(
-        self, payload: bytes, mtype: bytes, mid: str, *, stop: asyncio.Event | None = None
+        self,
+        payload: bytes,
+        mtype: bytes,
+        mid: str,
+        dedupe: list[str] | None = None,
+        *,
+        stop: asyncio.Event | None = None,
     ) -> Added:
         s = self.settings
-        keys = [self.key, self.keys.seen(self.stream, mid)] if self.dedupe else [self.key]
-        args: list[bytes | str | int] = [s.max_backlog, s.dedupe_ttl_s * 1000, F_TYPE, mtype, F_ID, mid, F_DATA, payload]
+        ids = (dedupe if dedupe is not None else [mid]) if self.dedupe else []
+        keys = [self.key, *(self.keys.seen(self.stream, i) for i in ids)]
+        args: list[bytes | str | int] = [
+            s.max_backlog, s.dedupe_ttl_s * 1000, F_TYPE, mtype, F_ID, mid, F_DATA, payload,
+        ]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.backpressure_timeout_s
         backoff = Backoff(base=0.01, cap=0.5)
         waited_since: float | None = None
         while True:
-            code, entry = await retry_transient(
-                lambda: self._script(keys=keys, args=args),  # type: ignore[no-any-return]
+            code, entry, index = await retry_transient(
+                lambda: self._script(keys=keys, args=args),
                 stop=stop,
                 deadline_s=max(1.0, deadline - loop.time()),
             )
@@ -122,7 +140,7 @@ class StreamProducer:
                 return Added(AddResult.ADDED, entry.decode())
             if code == 2:
                 metrics.DEDUPED.labels(self.stream).inc()
-                return Added(AddResult.DUPLICATE, entry.decode())
+                return Added(AddResult.DUPLICATE, entry.decode(), int(index))
             if waited_since is None:
                 waited_since = time.monotonic()
                 log.info("backpressure_wait", stream=self.stream, cap=s.max_backlog, group_id=mid)

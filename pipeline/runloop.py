@@ -14,6 +14,8 @@ the batch pending (it is redelivered after ``claim_idle_ms`` and dead-lettered a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import socket
@@ -105,16 +107,12 @@ class Heartbeat:
                 await self.beat(handled=stats.handled)
             except TRANSIENT:
                 metrics.REDIS_ERRORS.labels("heartbeat").inc()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
-            except TimeoutError:
-                pass
 
     async def clear(self) -> None:
-        try:
+        with contextlib.suppress(*TRANSIENT):
             await self.redis.delete(self.key)
-        except TRANSIENT:
-            pass
 
 
 class StageRunner(Generic[M]):
@@ -247,7 +245,7 @@ class StageRunner(Generic[M]):
                 good.append((d, decode(d.payload, self.limits, expect=self.input_type)))
             except DecodeError as e:
                 metrics.DECODE_ERRORS.labels(self.stage).inc()
-                await self._bookkeep(lambda d=d, e=e: self.consumer.dead_letter(d, f"decode_error: {e}"), stop)
+                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"), stop)
                 self._count("dead_letter")
         if good:
             outcomes = await self._handle(good)
@@ -306,7 +304,7 @@ class StageRunner(Generic[M]):
                 acks.append(d)
                 self._count(o.reason)
             elif isinstance(o, DeadLetter):
-                await self._bookkeep(lambda d=d, o=o: self.consumer.dead_letter(d, o.reason), stop)
+                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, o.reason), stop)
                 self._count("dead_letter")
             else:
                 self._count("retry")
@@ -336,7 +334,5 @@ class StageRunner(Generic[M]):
 
 
 async def _sleep_or_stop(stop: asyncio.Event, delay: float) -> None:
-    try:
+    with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), delay)
-    except TimeoutError:
-        pass

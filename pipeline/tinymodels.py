@@ -77,7 +77,7 @@ def build_tokenizer(out: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=2048
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -101,7 +101,6 @@ def build_model(out: Path, name: str, vocab_size: int, seed: int) -> None:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
@@ -134,5 +133,5 @@ def load_causal_lm(path: str | Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return model

@@ -14,10 +14,10 @@ from schemas.messages import Message, RolloutGroup, ScoredGroup, TrainBatch
 from schemas.validate import DecodeError, Limits, validate
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
-_DECODER: Final = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+_DECODER: Final = msgspec.msgpack.Decoder(Message)
 DEFAULT_LIMITS: Final = Limits()
 
-M = TypeVar("M", RolloutGroup, ScoredGroup, TrainBatch)
+M = TypeVar("M", bound=RolloutGroup | ScoredGroup | TrainBatch)
 
 
 def encode(msg: Message) -> bytes:
@@ -41,7 +41,7 @@ def decode(
     if size > limits.max_bytes:
         raise DecodeError("message", f"{size} bytes exceeds the cap of {limits.max_bytes}")
     try:
-        msg = _DECODER.decode(data)
+        msg: Message = _DECODER.decode(data)
     except msgspec.ValidationError as e:
         raise DecodeError("message", f"invalid: {e}") from None
     except (msgspec.DecodeError, RecursionError, ValueError, TypeError, OverflowError) as e:

@@ -1,0 +1,1 @@
+"""distillq library: transport, keys, teacher backends, scoring, rollout tracking, feeder, learner client."""

@@ -1,0 +1,1 @@
+"""The ``distillq`` command line."""

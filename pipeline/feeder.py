@@ -1,0 +1,212 @@
+"""Trainer-feeder worker: scored groups in, train batches out (Redis I/O around ``pipeline.batching``).
+
+Scored entries stay pending (their leases renewed) until the batch holding their group is written;
+only then are they acknowledged. A crash therefore loses nothing: a restarted feeder gets them again,
+and the batches stream's per-group dedupe keeps any group from reaching the learner twice. Stale
+groups are acknowledged and counted, never trained on. The KL controller's state is written to Redis
+after each batch so a restarted feeder continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+from prometheus_client import Counter, Gauge, Histogram
+
+from pipeline import metrics
+from pipeline.batching import BatchingConfig, Pending, admit, build_batch, take_batch
+from pipeline.config import StreamSettings
+from pipeline.connection import TRANSIENT, Backoff, retry_transient
+from pipeline.consumer import Delivery, StreamConsumer
+from pipeline.keys import Keys
+from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
+from pipeline.producer import AddResult, ProducerStopped, StreamProducer
+from pipeline.runloop import Heartbeat, RunStats, default_consumer_name
+from schemas import DecodeError, ScoredGroup, decode
+
+log = structlog.get_logger("distillq.feeder")
+
+BATCHES: Counter = Counter("distillq_feeder_batches_total", "train batches written")
+DROPPED: Counter = Counter("distillq_feeder_dropped_groups_total", "groups not batched", ["reason"])
+BATCH_TOKENS: Histogram = Histogram("distillq_feeder_batch_tokens", "tokens per batch",
+                                    buckets=(1e3, 4e3, 1.6e4, 6.4e4, 2.6e5, 1e6))
+PADDING: Gauge = Gauge("distillq_feeder_padding_fraction", "padding fraction of the last batch")
+REVERSE_KL: Gauge = Gauge("distillq_feeder_reverse_kl", "mean sampled-token reverse KL of the last batch")
+NO_DISTILL: Gauge = Gauge("distillq_feeder_no_distill_share", "share of groups without teacher payload")
+KL_COEF: Gauge = Gauge("distillq_feeder_kl_coef", "current KL coefficient")
+STALENESS: Histogram = Histogram("distillq_feeder_staleness_versions", "policy versions behind, per group",
+                                 buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+
+
+@dataclass
+class FeederState:
+    buffer: list[Pending] = field(default_factory=list)
+    policy_version: int = 0
+    stats: RunStats = field(default_factory=RunStats)
+
+
+class Feeder:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        cfg: BatchingConfig,
+        controller: ConstantKL | AdaptiveKL,
+        settings: StreamSettings | None = None,
+        *,
+        consumer_name: str | None = None,
+        max_buffered_groups: int = 1024,
+    ) -> None:
+        self.redis, self.keys, self.cfg = redis, keys, cfg
+        self.settings = s = settings or StreamSettings()
+        self.controller = controller
+        self.name = consumer_name or default_consumer_name("feeder")
+        self.consumer = StreamConsumer(redis, keys, "scored", self.name, s, stage="feeder")
+        self.producer = StreamProducer(redis, keys, "batches", s)
+        self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s)
+        self.max_buffered = max_buffered_groups
+        self.state = FeederState()
+        self.limits = s.limits()
+
+    async def restore_controller(self) -> None:
+        """Continue from the KL controller state stored in Redis, if any."""
+        raw = await self.redis.get(self.keys.kl_state)
+        if raw is None:
+            return
+        try:
+            stored = load_controller(raw)
+        except ValueError as e:
+            log.error("kl_state_invalid", error=str(e))
+            return
+        if type(stored) is type(self.controller):
+            self.controller = stored
+            log.info("kl_state_restored", controller=repr(stored))
+
+    async def run(self, stop: asyncio.Event, *, burst: bool = False, max_batches: int | None = None) -> RunStats:
+        s = self.settings
+        await retry_transient(self.consumer.ensure_group, stop=stop)
+        await retry_transient(self.restore_controller, stop=stop)
+        hb = asyncio.create_task(self.heartbeat.run(stop, self.state.stats))
+        lease = asyncio.create_task(self._renew_leases(stop))
+        backoff = Backoff()
+        written = 0
+        log.info("feeder_started", consumer=self.name, config=self.cfg)
+        try:
+            while not stop.is_set() and (max_batches is None or written < max_batches):
+                free = self.max_buffered - len(self.state.buffer)
+                try:
+                    want = min(free, s.read_count)
+                    got = await self.consumer.read(want, block_ms=min(s.block_ms, 250)) if want else []
+                    await self._refresh_version()
+                    backoff.reset()
+                except TRANSIENT as e:
+                    metrics.REDIS_ERRORS.labels("feeder").inc()
+                    await _sleep(stop, backoff.next_delay(), e)
+                    continue
+                for d in got:
+                    await self._admit(d)
+                drained = burst and not got and await self._input_drained()
+                while (items := take_batch(self.state.buffer, self.cfg, flush=drained)) is not None:
+                    if not await self._write(items, stop):
+                        break
+                    written += 1
+                    if max_batches is not None and written >= max_batches:
+                        break
+                if drained and not self.state.buffer:
+                    break
+        finally:
+            hb.cancel()
+            lease.cancel()
+            await asyncio.gather(hb, lease, return_exceptions=True)
+            # Buffered groups stay pending (unacked): a restarted feeder gets them again.
+            await self.heartbeat.clear()
+            log.info("feeder_stopped", batches=written, buffered=len(self.state.buffer),
+                     outcomes=dict(self.state.stats.outcomes))
+        return self.state.stats
+
+    async def _input_drained(self) -> bool:
+        return await self.consumer.backlog() == len(self.state.buffer)
+
+    async def _refresh_version(self) -> None:
+        raw = await self.redis.get(self.keys.policy_version)
+        if raw is not None:
+            with contextlib.suppress(ValueError):
+                self.state.policy_version = int(raw)
+
+    async def _admit(self, d: Delivery) -> None:
+        try:
+            g = decode(d.payload, self.limits, expect=ScoredGroup)
+        except DecodeError as e:
+            metrics.DECODE_ERRORS.labels("feeder").inc()
+            await self.consumer.dead_letter(d, f"decode_error: {e}")
+            self._count("dead_letter")
+            return
+        STALENESS.observe(max(0, self.state.policy_version - g.group.policy_version))
+        why = admit(g, self.state.policy_version, self.cfg)
+        if why is not None:
+            DROPPED.labels(why.split("_", 2)[0] if why.startswith("no_distill") else why).inc()
+            log.info("group_not_batched", group_id=g.group_id, reason=why,
+                     group_version=g.group.policy_version, current_version=self.state.policy_version)
+            await self.consumer.ack([d])
+            self._count(why)
+            return
+        self.state.buffer.append(Pending(d.entry_id, g))
+
+    async def _write(self, items: list[Pending], stop: asyncio.Event) -> bool:
+        """Write one batch, then ack its groups' entries. False if stopped while waiting for capacity."""
+        while items:
+            built = build_batch(items, self.controller.value, self.state.policy_version, self.cfg)
+            try:
+                added = await self.producer.send(built.batch, stop=stop)
+            except ProducerStopped:
+                self.state.buffer[:0] = items  # back in front, still pending
+                return False
+            if added.result is AddResult.ADDED:
+                break
+            dup = items.pop(added.duplicate_index)  # already in an earlier batch: never twice
+            log.warning("group_already_batched", group_id=dup.group.group_id, batch_entry=added.entry_id)
+            await self.consumer.ack([dup.entry_id])
+            self._count("already_batched")
+        if not items:
+            return True
+        await retry_transient(lambda: self.consumer.ack(built.entry_ids), deadline_s=60)
+        if built.observed_kl is not None:
+            self.controller.update(built.observed_kl, n_steps=1)
+            await retry_transient(lambda: self.redis.set(self.keys.kl_state, self.controller.to_json()), deadline_s=60)
+        self._observe(built.batch.stats or {})
+        self._count("batched", len(items))
+        return True
+
+    def _observe(self, stats: dict[str, float]) -> None:
+        BATCHES.inc()
+        BATCH_TOKENS.observe(stats.get("tokens", 0.0))
+        PADDING.set(stats.get("padding_fraction", 0.0))
+        NO_DISTILL.set(stats.get("no_distill_share", 0.0))
+        KL_COEF.set(self.controller.value)
+        if "reverse_kl" in stats:
+            REVERSE_KL.set(stats["reverse_kl"])
+        log.info("batch_written", **{k: round(v, 5) for k, v in stats.items()})
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.state.stats.handled += n
+        self.state.stats.outcomes[outcome] += n
+        metrics.STAGE_MESSAGES.labels("feeder", outcome).inc(n)
+
+    async def _renew_leases(self, stop: asyncio.Event) -> None:
+        every = self.settings.claim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.consumer.touch()
+            except TRANSIENT:
+                metrics.REDIS_ERRORS.labels("feeder").inc()
+
+
+async def _sleep(stop: asyncio.Event, delay: float, error: BaseException) -> None:
+    log.warning("redis_unavailable", stage="feeder", error=str(error), retry_in=round(delay, 2))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)

@@ -1,0 +1,167 @@
+"""The learner's side of the pipeline: iterate train batches, ack after the optimiser step, publish
+the policy version.
+
+    from pipeline.learner import Learner
+    with Learner("redis://127.0.0.1:6379/0") as learner:        # sync; AsyncLearner for asyncio
+        for batch in learner.batches():
+            loss = step(to_torch(batch.batch))                  # pipeline.torch_batch.to_torch
+            learner.ack(batch)                                  # unacked batches are redelivered
+            learner.publish_policy_version(version := version + 1)
+
+Batches are read through the ``learner`` consumer group under a stable consumer name (default
+``learner-0``): a restarted learner first gets back every batch it had read but not acknowledged.
+Arrays are zero-copy numpy views into the received message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import numpy as np
+import numpy.typing as npt
+import redis.asyncio as aioredis
+import structlog
+
+from pipeline.config import StreamSettings, redis_settings
+from pipeline.connection import connect
+from pipeline.consumer import StreamConsumer
+from pipeline.keys import Keys
+from schemas import DecodeError, Limits, TrainBatch, decode
+
+log = structlog.get_logger("distillq.learner")
+
+
+@dataclass(frozen=True)
+class LearnerBatch:
+    """One train batch and the stream entry it came from."""
+
+    entry_id: str
+    batch: TrainBatch
+    redelivered: bool
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [g.group_id for g in self.batch.groups]
+
+    def sequences(self) -> Iterator[dict[str, npt.NDArray[np.generic] | None]]:
+        """Per sequence, zero-copy numpy views: tokens, loss_mask, logprobs, advantages, teacher arrays."""
+        i = 0
+        for g in self.batch.groups:
+            for j, s in enumerate(g.group.sequences):
+                t = g.teacher[j] if g.teacher is not None else None
+                yield {
+                    "tokens": s.tokens.numpy(), "loss_mask": s.loss_mask.numpy(),
+                    "logprobs": s.logprobs.numpy() if s.logprobs is not None else None,
+                    "advantages": self.batch.advantages[i].numpy(),
+                    "teacher_topk_ids": t.topk_ids.numpy() if t else None,
+                    "teacher_topk_logprobs": t.topk_logprobs.numpy() if t else None,
+                    "teacher_sampled_logprobs": t.sampled_logprobs.numpy() if t else None,
+                }
+                i += 1
+
+
+class AsyncLearner:
+    """asyncio learner client."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        namespace: str | None = None,
+        consumer_name: str = "learner-0",
+        settings: StreamSettings | None = None,
+        redis: aioredis.Redis | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        rs = redis_settings(redis_url, namespace)
+        self.keys = Keys(rs.namespace)
+        self._own = redis is None
+        self.redis = redis if redis is not None else connect(rs)
+        self.settings = settings or StreamSettings()
+        self.consumer = StreamConsumer(self.redis, self.keys, "batches", consumer_name, self.settings, stage="learner")
+        self.limits = limits or self.settings.limits()
+        self._ready = False
+
+    async def next_batch(self, timeout_s: float | None = None) -> LearnerBatch | None:
+        """The next batch (redelivered ones first), or ``None`` after ``timeout_s`` without one."""
+        if not self._ready:
+            await self.consumer.ensure_group()
+            self._ready = True
+        loop = asyncio.get_running_loop()
+        end = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            block = self.settings.block_ms if end is None else max(1, int(1000 * min(1.0, end - loop.time())))
+            for d in await self.consumer.read(1, block_ms=block):
+                try:
+                    return LearnerBatch(d.entry_id, decode(d.payload, self.limits, expect=TrainBatch), d.reclaimed)
+                except DecodeError as e:
+                    await self.consumer.dead_letter(d, f"decode_error: {e}")
+            if end is not None and loop.time() >= end:
+                return None
+
+    async def batches(self, timeout_s: float | None = None) -> AsyncIterator[LearnerBatch]:
+        """Batches until none arrives within ``timeout_s`` (forever if ``None``)."""
+        while (b := await self.next_batch(timeout_s)) is not None:
+            yield b
+
+    async def ack(self, batch: LearnerBatch) -> None:
+        """Call after the optimiser step: the batch will not be delivered again."""
+        await self.consumer.ack([batch.entry_id])
+
+    async def publish_policy_version(self, version: int) -> None:
+        await self.redis.set(self.keys.policy_version, int(version))
+
+    async def policy_version(self) -> int:
+        raw = await self.redis.get(self.keys.policy_version)
+        return int(raw) if raw is not None else 0
+
+    async def aclose(self) -> None:
+        if self._own:
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncLearner:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Learner:
+    """Synchronous learner client (an ``AsyncLearner`` driven by a private ``asyncio.Runner``)."""
+
+    def __init__(self, redis_url: str | None = None, **kwargs: object) -> None:
+        self._runner = asyncio.Runner()
+        self._client: AsyncLearner = self._runner.run(_make(redis_url, kwargs))
+
+    def next_batch(self, timeout_s: float | None = None) -> LearnerBatch | None:
+        return self._runner.run(self._client.next_batch(timeout_s))
+
+    def batches(self, timeout_s: float | None = None) -> Iterator[LearnerBatch]:
+        while (b := self.next_batch(timeout_s)) is not None:
+            yield b
+
+    def ack(self, batch: LearnerBatch) -> None:
+        self._runner.run(self._client.ack(batch))
+
+    def publish_policy_version(self, version: int) -> None:
+        self._runner.run(self._client.publish_policy_version(version))
+
+    def policy_version(self) -> int:
+        return self._runner.run(self._client.policy_version())
+
+    def close(self) -> None:
+        self._runner.run(self._client.aclose())
+        self._runner.close()
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+async def _make(redis_url: str | None, kwargs: dict[str, object]) -> AsyncLearner:
+    return AsyncLearner(redis_url, **kwargs)  # type: ignore[arg-type]

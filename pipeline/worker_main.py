@@ -1,0 +1,90 @@
+"""Process plumbing shared by every worker: signals -> stop event, metrics endpoint, health check.
+
+Signals are handled here only (never in library code), so tests drive a stage by setting ``stop``.
+SIGTERM/SIGINT start a graceful shutdown; a second signal cancels at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+
+from pipeline.config import RedisSettings
+from pipeline.connection import connect, mask_url
+from pipeline.keys import Keys
+from pipeline.metrics import serve_metrics
+
+log = structlog.get_logger("distillq.worker")
+StageMain = Callable[[aioredis.Redis, Keys, asyncio.Event], Awaitable[Any]]
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second_signal_cancelling", signal=sig.name)
+            if task is not None:
+                task.cancel()
+            return
+        log.info("shutdown_requested", signal=sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def run_worker(
+    stage: str,
+    redis_settings: RedisSettings,
+    main: StageMain,
+    *,
+    metrics_port: int = 0,
+    metrics_host: str = "127.0.0.1",
+) -> int:
+    """Connect, expose metrics, run ``main`` until it returns or a signal stops it."""
+    serve_metrics(metrics_port, metrics_host)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    redis = connect(redis_settings)
+    log.info("worker_starting", stage=stage, redis=mask_url(redis_settings.redis_url),
+             namespace=redis_settings.namespace, metrics_port=metrics_port or None)
+    try:
+        await main(redis, Keys(redis_settings.namespace), stop)
+    except asyncio.CancelledError:
+        log.warning("worker_cancelled", stage=stage)
+        return 130
+    finally:
+        await redis.aclose()
+    return 0
+
+
+async def check_health(redis_settings: RedisSettings, stage: str, max_age_s: float = 30.0) -> tuple[bool, str]:
+    """Healthy when some worker of ``stage`` wrote its heartbeat within ``max_age_s``."""
+    redis = connect(redis_settings)
+    keys = Keys(redis_settings.namespace)
+    try:
+        names = [k async for k in redis.scan_iter(match=keys.heartbeat_pattern(stage), count=500)]
+        if not names:
+            return False, f"no {stage} worker heartbeat under namespace {keys.namespace!r}"
+        now = time.time()
+        fresh = []
+        for raw in await redis.mget(names):
+            if raw is None:
+                continue
+            info = json.loads(raw)
+            if now - float(info.get("ts", 0)) <= max_age_s:
+                fresh.append(info)
+        if not fresh:
+            return False, f"{len(names)} {stage} heartbeat(s), none fresher than {max_age_s:.0f} s"
+        return True, f"{len(fresh)} {stage} worker(s) healthy"
+    finally:
+        await redis.aclose()

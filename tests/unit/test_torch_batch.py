@@ -1,0 +1,179 @@
+"""TrainBatch -> TorchBatch: padding, next-token alignment, mixed k, groups without a teacher payload."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import schemas  # noqa: E402
+from pipeline import losses as L  # noqa: E402
+from pipeline.torch_batch import PAD_LOGPROB, TorchBatch, to_torch  # noqa: E402
+from schemas.build import make_sequence, synthetic_rollout, synthetic_scored, synthetic_teacher  # noqa: E402
+
+VOCAB = 1000
+
+
+def _batch() -> schemas.TrainBatch:
+    """Five groups: k=5, k=3 in float16, skipped, dropped, and one without student logprobs (k=2)."""
+    g0 = synthetic_scored(synthetic_rollout(3, [10, 7, 13], vocab=VOCAB, prompt_len=3, seed=1), 5, seed=10)
+    r1 = synthetic_rollout(2, [6, 9], vocab=VOCAB, prompt_len=2, seed=2)
+    g1 = schemas.ScoredGroup(
+        group=r1,
+        status=schemas.DistillStatus.OK,
+        teacher=[synthetic_teacher(s, 3, vocab=VOCAB, seed=20 + i, fp16=True) for i, s in enumerate(r1.sequences)],
+        k=3,
+    )
+    g2 = schemas.ScoredGroup(
+        group=synthetic_rollout(1, 4, vocab=VOCAB, prompt_len=1, seed=3),
+        status=schemas.DistillStatus.SKIPPED,
+    )
+    g3 = schemas.ScoredGroup(
+        group=synthetic_rollout(1, 8, vocab=VOCAB, prompt_len=2, seed=4),
+        status=schemas.DistillStatus.DROPPED,
+        reason="misaligned",
+    )
+    tok = np.arange(1, 12, dtype=np.int32)
+    r4 = schemas.RolloutGroup(group_id="nolp", sequences=[make_sequence(tok, (np.arange(11) >= 5).astype(np.uint8))])
+    g4 = synthetic_scored(r4, 2, seed=30)
+    groups = [g0, g1, g2, g3, g4]
+    rng = np.random.default_rng(0)
+    seqs = [s for g in groups for s in g.group.sequences]
+    adv = [schemas.Array.from_numpy(rng.normal(size=s.length).astype(np.float32)) for s in seqs]
+    batch = schemas.TrainBatch(batch_id="b1", groups=groups, advantages=adv)
+    # Through the wire, so every array is a read-only view into the message bytes.
+    return schemas.decode(schemas.encode(batch), expect=schemas.TrainBatch)
+
+
+@pytest.fixture(scope="module")
+def batch() -> schemas.TrainBatch:
+    return _batch()
+
+
+@pytest.fixture(scope="module")
+def tb(batch: schemas.TrainBatch) -> TorchBatch:
+    return to_torch(batch, pad_id=7)
+
+
+def test_shapes_and_dtypes(tb: TorchBatch) -> None:
+    b, t, k = 8, 13, 5
+    assert tb.num_sequences == b
+    expected = {
+        "input_ids": ((b, t), torch.int64),
+        "attention_mask": ((b, t), torch.bool),
+        "labels": ((b, t - 1), torch.int64),
+        "loss_mask": ((b, t - 1), torch.float32),
+        "student_logprobs": ((b, t - 1), torch.float32),
+        "advantages": ((b, t - 1), torch.float32),
+        "teacher_topk_ids": ((b, t - 1, k), torch.int64),
+        "teacher_topk_logprobs": ((b, t - 1, k), torch.float32),
+        "teacher_sampled_logprobs": ((b, t - 1), torch.float32),
+        "distill_mask": ((b, t - 1), torch.float32),
+        "group_index": ((b,), torch.int64),
+        "seq_lengths": ((b,), torch.int64),
+    }
+    for name, (shape, dtype) in expected.items():
+        x = getattr(tb, name)
+        assert (tuple(x.shape), x.dtype) == (shape, dtype), name
+    assert tb.group_index.tolist() == [0, 0, 0, 1, 1, 2, 3, 4]
+    assert tb.seq_lengths.tolist() == [10, 7, 13, 6, 9, 4, 8, 11]
+
+
+def test_every_field_is_next_token_aligned(batch: schemas.TrainBatch, tb: TorchBatch) -> None:
+    i = 0
+    for g in batch.groups:
+        for j, seq in enumerate(g.group.sequences):
+            n = seq.length
+            tok = seq.tokens.numpy().astype(np.int64)
+            assert tb.input_ids[i, :n].numpy().tolist() == tok.tolist()
+            assert (tb.input_ids[i, n:] == 7).all() and (tb.labels[i, n - 1 :] == 7).all()
+            assert tb.attention_mask[i].sum().item() == n and tb.attention_mask[i, :n].all()
+            assert np.array_equal(tb.labels[i, : n - 1].numpy(), tok[1:])
+            mask = seq.loss_mask.numpy()[1:].astype(np.float32)
+            assert np.array_equal(tb.loss_mask[i, : n - 1].numpy(), mask)
+            assert (tb.loss_mask[i, n - 1 :] == 0).all()
+            lp = seq.logprobs.numpy()[1:] if seq.logprobs is not None else np.zeros(n - 1, np.float32)
+            assert np.array_equal(tb.student_logprobs[i, : n - 1].numpy(), lp)
+            assert np.array_equal(tb.advantages[i, : n - 1].numpy(), batch.advantages[i].numpy()[1:])
+            if g.teacher is None:
+                assert (tb.distill_mask[i] == 0).all()
+                assert (tb.teacher_topk_logprobs[i] == PAD_LOGPROB).all()
+            else:
+                p = g.teacher[j]
+                assert np.array_equal(tb.distill_mask[i, : n - 1].numpy(), mask)
+                assert np.array_equal(tb.teacher_topk_ids[i, : n - 1, : p.k].numpy(), p.topk_ids.numpy())
+                assert np.array_equal(
+                    tb.teacher_topk_logprobs[i, : n - 1, : p.k].numpy(), p.topk_logprobs.numpy().astype(np.float32)
+                )
+                assert np.array_equal(tb.teacher_sampled_logprobs[i, : n - 1].numpy(), p.sampled_logprobs.numpy())
+                # Slots past this group's k and rows past the sequence are empty.
+                assert (tb.teacher_topk_logprobs[i, :, p.k :] == PAD_LOGPROB).all()
+                assert (tb.teacher_topk_ids[i, :, p.k :] == 0).all()
+                assert (tb.teacher_topk_logprobs[i, n - 1 :] == PAD_LOGPROB).all()
+            i += 1
+    assert (tb.distill_mask <= tb.loss_mask).all()
+
+
+def test_losses_on_padded_mixed_k_batch_are_finite(tb: TorchBatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(*tb.labels.shape, VOCAB, generator=gen).requires_grad_(True)
+    m = tb.distill_mask
+    ids, lps = tb.teacher_topk_ids, tb.teacher_topk_logprobs
+    parts = [L.topk_forward_kl(logits, ids, lps, m, mode) for mode in ("unnormalized", "renormalized", "tail")]
+    parts += [L.generalized_jsd(logits, ids, lps, m, beta) for beta in (0.0, 0.5, 1.0)]
+    adv = L.reverse_kl_advantages(tb.teacher_sampled_logprobs, tb.student_logprobs, m, coef=0.1)
+    new = L.token_logprobs(logits, tb.labels)
+    parts.append(L.importance_sampled_pg_loss(new, tb.student_logprobs, adv + tb.advantages, tb.loss_mask, 0.2))
+    total = torch.stack(parts).sum()
+    total.backward()
+    assert all(torch.isfinite(p) and p.item() != 0 for p in parts)
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    assert (logits.grad[tb.loss_mask == 0] == 0).all()
+
+
+def test_device_argument_and_to(batch: schemas.TrainBatch) -> None:
+    tb = to_torch(batch, device=torch.device("cpu"))
+    moved = tb.to("cpu")
+    for f in dataclasses.fields(TorchBatch):
+        assert getattr(moved, f.name).device.type == "cpu"
+        assert torch.equal(getattr(moved, f.name), getattr(tb, f.name))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tb.labels = tb.labels  # type: ignore[misc]
+
+
+def test_tensors_are_writable_copies(batch: schemas.TrainBatch) -> None:
+    tb = to_torch(batch)
+    tb.teacher_topk_logprobs.zero_()  # would fail (or corrupt the message) if it aliased read-only bytes
+    assert batch.groups[0].teacher is not None
+    assert (batch.groups[0].teacher[0].topk_logprobs.numpy() < 0).all()
+
+
+def test_single_token_sequences_give_empty_time_axis() -> None:
+    seq = make_sequence(np.array([5], np.int32), np.zeros(1, np.uint8))
+    group = schemas.ScoredGroup(
+        group=schemas.RolloutGroup(group_id="one", sequences=[seq]), status=schemas.DistillStatus.SKIPPED
+    )
+    adv = [schemas.Array.from_numpy(np.zeros(1, np.float32))]
+    tb = to_torch(schemas.TrainBatch(batch_id="x", groups=[group], advantages=adv))
+    assert tb.input_ids.shape == (1, 1) and tb.labels.shape == (1, 0) and tb.teacher_topk_ids.shape == (1, 0, 1)
+
+
+def test_malformed_batches_raise(batch: schemas.TrainBatch) -> None:
+    with pytest.raises(ValueError, match="no sequences"):
+        to_torch(schemas.TrainBatch(batch_id="e", groups=[], advantages=[]))
+    with pytest.raises(ValueError, match="advantage arrays"):
+        to_torch(schemas.TrainBatch(batch_id="e", groups=batch.groups, advantages=batch.advantages[:-1]))
+    bad = [*batch.advantages[:-1], schemas.Array.from_numpy(np.zeros(3, np.float32))]
+    with pytest.raises(ValueError, match="advantages"):
+        to_torch(schemas.TrainBatch(batch_id="e", groups=batch.groups, advantages=bad))
+
+
+def test_kl_control_and_schemas_do_not_need_torch() -> None:
+    code = "import sys; sys.modules['torch'] = None; import pipeline.kl_control, schemas; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

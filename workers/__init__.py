@@ -1,0 +1,1 @@
+"""Thin process entry points, one per stage (python -m workers.<stage>)."""
