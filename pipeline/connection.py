@@ -45,7 +45,8 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
             value = getattr(settings, name)
             if value:
                 kwargs[name] = value
-    return aioredis.Redis.from_url(settings.redis_url, **kwargs)  # type: ignore[arg-type]
+    client: aioredis.Redis = aioredis.Redis.from_url(settings.redis_url, **kwargs)  # type: ignore[arg-type]
+    return client
 
 
 class Backoff:

@@ -1,0 +1,65 @@
+"""Flags every worker takes, and the shared ``main`` that runs one stage as a process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from pipeline.cli.common import add_redis_args, redis_settings
+from pipeline.config import StreamSettings
+from pipeline.keys import Keys
+from pipeline.logs import configure_logging
+from pipeline.worker_main import check_health, run_worker
+
+Serve = Callable[[argparse.Namespace, aioredis.Redis, Keys, asyncio.Event], Awaitable[Any]]
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"DISTILLQ_{name}", default)
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    add_redis_args(p)
+    p.add_argument("--burst", action="store_true", help="drain the input stream, then exit 0")
+    p.add_argument("--check", action="store_true", help="exit 0 if a worker of this stage is healthy, else 1")
+    p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "0") or 0),
+                   help="Prometheus port (0: off; env DISTILLQ_METRICS_PORT)")
+    p.add_argument("--metrics-host", default=env("METRICS_HOST", "127.0.0.1"),
+                   help="address the metrics endpoint binds (default 127.0.0.1)")
+    p.add_argument("--consumer-name", default=env("CONSUMER_NAME"), help="stable consumer name (default: host-pid)")
+    p.add_argument("--max-in-flight", type=int, default=None, help="messages handled at once")
+    p.add_argument("--read-count", type=int, default=None, help="entries per read")
+
+
+def stream_settings(args: argparse.Namespace, **overrides: Any) -> StreamSettings:
+    given = {k: getattr(args, k) for k in ("max_in_flight", "read_count") if getattr(args, k, None) is not None}
+    return StreamSettings(**{**given, **overrides})
+
+
+def run_stage(stage: str, args: argparse.Namespace, serve: Serve) -> int:
+    """``--check`` or run the stage until a signal (or, with ``--burst``, until drained)."""
+    rs = redis_settings(args)
+    if args.check:
+        ok, why = asyncio.run(check_health(rs, stage))
+        print(why, file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
+
+    async def main(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
+        await serve(args, redis, keys, stop)
+
+    return asyncio.run(run_worker(stage, rs, main, metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+
+
+def standalone(stage: str, add_arguments: Callable[[argparse.ArgumentParser], None], serve: Serve) -> int:
+    """``python -m workers.<stage>``: the same flags as ``distillq worker <stage>``."""
+    p = argparse.ArgumentParser(prog=f"python -m workers.{stage}")
+    add_arguments(p)
+    args = p.parse_args()
+    configure_logging()
+    return run_stage(stage, args, serve)

@@ -1,0 +1,56 @@
+"""Trainer-feeder worker: scored -> batches (``distillq worker feeder`` / ``python -m workers.feeder``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import redis.asyncio as aioredis
+
+from pipeline.batching import BatchingConfig
+from pipeline.feeder import Feeder
+from pipeline.keys import Keys
+from pipeline.kl_control import AdaptiveKL, ConstantKL
+from workers.common import add_common_args, env, run_stage, standalone, stream_settings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch-tokens", type=int, default=int(env("MAX_BATCH_TOKENS", "65536") or 65536))
+    p.add_argument("--max-batch-groups", type=int, default=None)
+    p.add_argument("--token-count", choices=["sum", "padded"], default="sum")
+    p.add_argument("--max-staleness", type=int, default=int(env("MAX_STALENESS", "4") or 4),
+                   help="drop groups more than this many policy versions old (-1: never)")
+    p.add_argument("--missing-distill", choices=["keep", "drop"], default=env("MISSING_DISTILL", "keep"))
+    p.add_argument("--reward-weight", type=float, default=0.0, help="weight of the group-normalised task reward")
+    p.add_argument("--length-bucketing", action="store_true")
+    p.add_argument("--max-wait", type=float, default=2.0, help="flush a partial batch after this many seconds")
+    p.add_argument("--kl-coef", type=float, default=1.0, help="constant KL coefficient (initial one if adaptive)")
+    p.add_argument("--kl-target", type=float, default=None, help="adaptive KL controller target (Ziegler et al.)")
+    p.add_argument("--kl-horizon", type=float, default=10_000.0)
+    p.add_argument("--max-buffered-groups", type=int, default=1024)
+    add_common_args(p)
+
+
+def config(args: argparse.Namespace) -> BatchingConfig:
+    return BatchingConfig(
+        max_batch_tokens=args.max_batch_tokens, max_batch_groups=args.max_batch_groups, token_count=args.token_count,
+        max_staleness=None if args.max_staleness < 0 else args.max_staleness, missing_distill=args.missing_distill,
+        reward_weight=args.reward_weight, length_bucketing=args.length_bucketing, max_wait_s=args.max_wait,
+    )
+
+
+async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
+    ctl = (AdaptiveKL(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target is not None
+           else ConstantKL(args.kl_coef))
+    feeder = Feeder(redis, keys, config(args), ctl, stream_settings(args), consumer_name=args.consumer_name,
+                    max_buffered_groups=args.max_buffered_groups)
+    await feeder.run(stop, burst=args.burst)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_stage("feeder", args, serve)
+
+
+if __name__ == "__main__":
+    sys.exit(standalone("feeder", add_arguments, serve))

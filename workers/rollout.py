@@ -1,0 +1,101 @@
+"""Rollout worker: arq jobs -> sampled, rewarded groups on ``rollouts``
+(``distillq worker rollout`` / ``python -m workers.rollout``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+
+from pipeline.cli.common import redis_settings
+from pipeline.jobs import JobStats, PromptJob, build_worker, run_worker_until
+from pipeline.keys import Keys
+from pipeline.producer import StreamProducer
+from pipeline.rollout.rewards import get_reward, reward_names
+from pipeline.rollout.sampler import sample_group
+from pipeline.rollout.student_base import GenParams, StudentBackend
+from pipeline.runloop import Heartbeat, RunStats, default_consumer_name
+from workers.common import add_common_args, env, run_stage, standalone, stream_settings
+
+log = structlog.get_logger("distillq.rollout")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["vllm", "hf"], default=env("STUDENT_BACKEND", "vllm"))
+    p.add_argument("--model", default=env("STUDENT_MODEL"), help="served model name (vllm) or local path (hf)")
+    p.add_argument("--url", default=env("STUDENT_URL"), help="student vLLM server URL")
+    p.add_argument("--tokenizer", default=env("STUDENT_TOKENIZER"), help="student tokenizer (default: --model)")
+    p.add_argument("--group-size", type=int, default=int(env("GROUP_SIZE", "8") or 8))
+    p.add_argument("--max-tokens", type=int, default=int(env("MAX_TOKENS", "256") or 256))
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--reward", default=env("REWARD", "none"), help=f"reward function ({', '.join(reward_names())})")
+    p.add_argument("--max-jobs", type=int, default=int(env("MAX_JOBS", "4") or 4), help="prompts sampled at once")
+    add_common_args(p)
+
+
+def make_backend(args: argparse.Namespace) -> StudentBackend:
+    if not args.model:
+        raise SystemExit("distillq worker rollout: --model is required")
+    if args.backend == "hf":
+        from pipeline.rollout.student_hf import HFStudent
+
+        return HFStudent.from_pretrained(args.model)
+    if not args.url:
+        raise SystemExit("distillq worker rollout: --url is required for the vllm backend")
+    from transformers import AutoTokenizer
+
+    from pipeline.rollout.student_vllm import VLLMStudent
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    return VLLMStudent(args.url, args.model, tokenizer)
+
+
+async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
+    backend = make_backend(args)
+    reward = get_reward(args.reward)
+    params = GenParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    producer = StreamProducer(redis, keys, "rollouts", stream_settings(args))
+    name = args.consumer_name or default_consumer_name("rollout")
+    stats, job_stats = RunStats(), JobStats()
+
+    async def rollout(job: PromptJob, epoch: int) -> str:
+        raw = await redis.get(keys.policy_version)
+        version = int(raw) if raw is not None else 0
+        prompt: Any = job.messages if job.messages is not None else job.prompt
+        group = await sample_group(
+            backend, prompt, group_size=args.group_size, params=params, reward_fn=reward, answer=job.answer,
+            group_id=f"{epoch}:{job.id}", env_id=job.env_id, task_id=job.task_id, policy_version=version,
+            group_overrides=job.group_overrides, metadata=job.metadata,
+        )
+        added = await producer.send(group, stop=stop)  # waits while the pipeline is full
+        stats.handled += 1
+        stats.outcomes[added.result.value] += 1
+        log.info("group_pushed", group_id=group.group_id, policy_version=version, result=added.result.value)
+        return group.group_id
+
+    worker = build_worker(redis_settings(args), keys, rollout, max_jobs=args.max_jobs, burst=args.burst,
+                          stats=job_stats)
+    heartbeat = Heartbeat(redis, keys.heartbeat("rollout", name), stream_settings(args).heartbeat_interval_s)
+    hb = asyncio.create_task(heartbeat.run(stop, stats))
+    try:
+        await run_worker_until(worker, stop)
+    finally:
+        hb.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await hb
+        await heartbeat.clear()
+        log.info("rollout_worker_stopped", groups=stats.handled, failed_jobs=job_stats.failed)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_stage("rollout", args, serve)
+
+
+if __name__ == "__main__":
+    sys.exit(standalone("rollout", add_arguments, serve))

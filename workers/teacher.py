@@ -1,0 +1,120 @@
+"""Teacher-scoring worker: rollouts -> scored (``distillq worker teacher`` / ``python -m workers.teacher``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import redis.asyncio as aioredis
+import structlog
+
+from pipeline.keys import Keys
+from pipeline.runloop import StageRunner
+from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.teacher.base import TeacherBackend, TeacherConfigError
+from pipeline.teacher_stage import TeacherStage
+from schemas import RolloutGroup
+from workers.common import add_common_args, env, run_stage, standalone, stream_settings
+
+log = structlog.get_logger("distillq.teacher")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["vllm", "sglang", "hf", "synthetic"], default=env("TEACHER_BACKEND", "vllm"))
+    p.add_argument("--model", default=env("TEACHER_MODEL"), help="model name (vllm) or local path (hf)")
+    p.add_argument("--url", action="append", default=None,
+                   help="teacher server URL; repeat for several (env DISTILLQ_TEACHER_URLS, comma-separated)")
+    p.add_argument("--tokenizer", default=env("TEACHER_TOKENIZER"), help="teacher tokenizer path (default: --model)")
+    p.add_argument("--student-tokenizer", default=env("STUDENT_TOKENIZER"),
+                   help="compare vocabularies with this tokenizer at startup; refuse to start if they differ")
+    p.add_argument("--top-k", type=int, default=int(env("TOP_K", "20") or 20))
+    p.add_argument("--max-batch-tokens", type=int, default=int(env("TEACHER_MAX_BATCH_TOKENS", "16384") or 16384),
+                   help="padded tokens per teacher call")
+    p.add_argument("--concurrency", type=int, default=int(env("TEACHER_CONCURRENCY", "8") or 8),
+                   help="requests in flight per teacher server / backend calls at once")
+    p.add_argument("--timeout", type=float, default=float(env("TEACHER_TIMEOUT_S", "120") or 120))
+    p.add_argument("--retries", type=int, default=3)
+    p.add_argument("--k-over-cap", choices=["clamp", "drop"], default=env("K_OVER_CAP", "clamp"))
+    p.add_argument("--fp16-topk", action="store_true", help="carry top-k logprobs as float16")
+    p.add_argument("--on-drop", choices=["pass", "dlq"], default=env("ON_DROP", "pass"),
+                   help="groups whose payload was dropped: pass on without payload (default) or dead-letter")
+    p.add_argument("--synthetic-latency", type=float, default=0.0, help="synthetic backend: seconds per call")
+    add_common_args(p)
+
+
+def make_backend(args: argparse.Namespace) -> TeacherBackend:
+    if args.backend == "hf":
+        from pipeline.teacher.hf import HFTeacher
+
+        if not args.model:
+            raise TeacherConfigError("--model PATH is required for the hf backend")
+        return HFTeacher(args.model, max_batch_tokens=args.max_batch_tokens)
+    if args.backend == "synthetic":
+        from pipeline.teacher.synthetic import SyntheticTeacher
+
+        return SyntheticTeacher(latency_s=args.synthetic_latency)
+    from pipeline.teacher.vllm_http import HTTPTeacherConfig
+
+    urls = tuple(args.url or [u for u in (env("TEACHER_URLS") or "").split(",") if u])
+    if not urls:
+        raise TeacherConfigError(f"--url is required for the {args.backend} backend")
+    cfg = HTTPTeacherConfig(urls=urls, model=args.model, k=args.top_k, max_concurrency=args.concurrency,
+                            timeout_s=args.timeout, startup_timeout_s=60.0)
+    if args.backend == "sglang":
+        from pipeline.teacher.sglang_http import SGLangTeacher
+
+        return SGLangTeacher(cfg)
+    from pipeline.teacher.vllm_http import VLLMTeacher
+
+    return VLLMTeacher(cfg)
+
+
+async def prepare(args: argparse.Namespace) -> tuple[TeacherBackend, Scorer]:
+    """Start the backend and run the startup checks (cap, vocabulary, self-test)."""
+    from pipeline.teacher.vocab import check_same_vocab, self_test_checksum
+
+    backend = make_backend(args)
+    await backend.start()
+    if args.top_k > backend.max_k:
+        await backend.close()
+        raise TeacherConfigError(
+            f"--top-k {args.top_k} exceeds the teacher's logprob cap of {backend.max_k} "
+            "(raise the server's --max-logprobs or lower --top-k)"
+        )
+    if args.student_tokenizer:
+        teacher_tok = args.tokenizer or args.model
+        if not teacher_tok:
+            raise TeacherConfigError("--tokenizer (or a local --model path) is needed to compare vocabularies")
+        check_same_vocab(teacher_tok, args.student_tokenizer)
+    checksum = await self_test_checksum(backend)
+    log.info("teacher_ready", identity=backend.identity, max_k=backend.max_k, top_k=args.top_k, self_test=checksum)
+    cfg = ScoringConfig(default_k=args.top_k, max_batch_tokens=args.max_batch_tokens, retries=args.retries,
+                        k_over_cap=args.k_over_cap, fp16_topk=args.fp16_topk,
+                        concurrent_calls=1 if args.backend == "hf" else args.concurrency)
+    return backend, Scorer(backend, cfg)
+
+
+async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
+    backend, scorer = await prepare(args)
+    try:
+        s = stream_settings(args)
+        runner = StageRunner(redis, keys, TeacherStage(scorer, drops_to_dlq=args.on_drop == "dlq"), RolloutGroup,
+                             "rollouts", "scored", s, consumer_name=args.consumer_name)
+        await runner.run(stop, burst=args.burst)
+    finally:
+        await backend.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    from pipeline.teacher.vocab import VocabMismatchError
+
+    try:
+        return run_stage("teacher", args, serve)
+    except (TeacherConfigError, VocabMismatchError) as e:
+        print(f"distillq worker teacher: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(standalone("teacher", add_arguments, serve))
