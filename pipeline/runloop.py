@@ -93,8 +93,10 @@ def default_consumer_name(stage: str) -> str:
 class Heartbeat:
     """Writes ``health:<stage>:<consumer>`` with a TTL of three intervals."""
 
-    def __init__(self, redis: aioredis.Redis, key: str, interval_s: float) -> None:
-        self.redis, self.key, self.interval_s = redis, key, interval_s
+    def __init__(
+        self, redis: aioredis.Redis, key: str, interval_s: float, extra: Callable[[], dict[str, object]] | None = None
+    ) -> None:
+        self.redis, self.key, self.interval_s, self.extra = redis, key, interval_s, extra
         self.info: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
 
     async def beat(self, **extra: object) -> None:
@@ -104,7 +106,8 @@ class Heartbeat:
     async def run(self, stop: asyncio.Event, stats: RunStats) -> None:
         while not stop.is_set():
             try:
-                await self.beat(handled=stats.handled)
+                report = self.extra() if self.extra is not None else {}
+                await self.beat(handled=stats.handled, outcomes=dict(stats.outcomes), **report)
             except TRANSIENT:
                 metrics.REDIS_ERRORS.labels("heartbeat").inc()
             with contextlib.suppress(TimeoutError):
@@ -139,7 +142,8 @@ class StageRunner(Generic[M]):
         self.output_stream = output_stream
         self.limits = s.limits()
         self.stats = RunStats()
-        self.heartbeat = Heartbeat(redis, keys.heartbeat(self.stage, self.name), s.heartbeat_interval_s)
+        self.heartbeat = Heartbeat(redis, keys.heartbeat(self.stage, self.name), s.heartbeat_interval_s,
+                                   getattr(logic, "report", None))
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()

@@ -21,6 +21,11 @@ class TeacherStage:
         self.drops_to_dlq = drops_to_dlq
         scorer.stats.latency_hooks.append(metrics.TEACHER_LATENCY.observe)
 
+    def report(self) -> dict[str, object]:
+        """Figures for the heartbeat: groups by status, drops by reason, tokens scored."""
+        st = self.scorer.stats
+        return {"status": dict(st.groups), "drops": dict(st.reasons), "tokens_scored": st.tokens_scored}
+
     async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
         t0 = time.perf_counter()
         scored = await self.scorer.score_groups(list(msgs))

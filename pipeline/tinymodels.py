@@ -42,10 +42,24 @@ class TinyModels:
     student: Path
 
 
-def arithmetic_problem(rng: random.Random) -> tuple[str, str]:
-    """One synthetic task: a prompt and its answer (the demo's teacher learns these)."""
-    a, b = rng.randint(0, 49), rng.randint(0, 49)
-    return f"{a}+{b}=", f"{a + b}"
+def is_heldout(a: int, b: int) -> bool:
+    """About 1 in 8 problems is kept out of rollouts, for evaluation only."""
+    return (a * 31 + b) % 8 == 0
+
+
+def arithmetic_problem(rng: random.Random, split: str = "any") -> tuple[str, str]:
+    """One synthetic task: a prompt and its answer (the demo's teacher learns these).
+
+    ``split``: ``"train"`` (never a held-out problem), ``"heldout"``, or ``"any"``.
+    """
+    while True:
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        if split == "any" or (split == "heldout") == is_heldout(a, b):
+            return f"{a}+{b}=", f"{a + b}"
+
+
+def all_problems() -> list[tuple[str, str]]:
+    return [(f"{a}+{b}=", f"{a + b}") for a in range(50) for b in range(50)]
 
 
 def corpus(n: int = 4000, seed: int = 0) -> list[str]:

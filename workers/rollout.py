@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--reward", default=env("REWARD", "none"), help=f"reward function ({', '.join(reward_names())})")
     p.add_argument("--max-jobs", type=int, default=int(env("MAX_JOBS", "4") or 4), help="prompts sampled at once")
+    p.add_argument("--weights-dir", default=env("WEIGHTS_DIR"),
+                   help="hf backend: reload weights a learner publishes here when the policy version moves; "
+                        "groups are then tagged with the version of the weights actually used")
     add_common_args(p)
 
 
@@ -64,9 +67,25 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     name = args.consumer_name or default_consumer_name("rollout")
     stats, job_stats = RunStats(), JobStats()
 
-    async def rollout(job: PromptJob, epoch: int) -> str:
+    loaded: list[int] = [-1]  # version of the weights in the local model (weights-dir mode)
+    reload_lock = asyncio.Lock()
+
+    async def current_version() -> int:
         raw = await redis.get(keys.policy_version)
         version = int(raw) if raw is not None else 0
+        load = getattr(backend, "load_weights", None)  # local (hf) students only
+        if not args.weights_dir or load is None:
+            return version  # a server's weights follow the published version
+        async with reload_lock:
+            if version > loaded[0]:
+                got = await load(args.weights_dir)
+                if got is not None:
+                    loaded[0] = got
+                    log.info("weights_reloaded", version=got)
+        return max(loaded[0], 0)
+
+    async def rollout(job: PromptJob, epoch: int) -> str:
+        version = await current_version()
         prompt: Any = job.messages if job.messages is not None else job.prompt
         group = await sample_group(
             backend, prompt, group_size=args.group_size, params=params, reward_fn=reward, answer=job.answer,

@@ -1,68 +1,77 @@
-"""``distillq demo``: the pipeline end to end on one machine, on an embedded Redis by default."""
+"""``distillq demo``: the pipeline end to end on one machine, on an embedded Redis by default.
+
+Every process it starts, and the embedded server, are stopped on exit, on error and on Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
+import signal
 import time
+from pathlib import Path
+from types import FrameType
 
 from rich.console import Console
 
-from pipeline.cli.common import add_redis_args, redis_settings
-from pipeline.config import RedisSettings, StreamSettings
-from pipeline.connection import connect
-from pipeline.consumer import StreamConsumer
+from pipeline.cli.common import add_redis_args
 from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import Keys
-from pipeline.producer import StreamProducer
-from schemas import RolloutGroup, decode
-from schemas.build import synthetic_rollout
 
 console = Console(stderr=True)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="run the pipeline end to end (embedded Redis unless --redis-url is given)")
-    p.add_argument("--groups", type=int, default=64)
+    p = sub.add_parser("demo", help="run the whole pipeline on this machine (embedded Redis unless --redis-url)")
+    p.add_argument("--steps", type=int, default=150, help="learner steps (default 150)")
+    p.add_argument("--rollout-workers", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("demo-output"), help="report, plot, logs (default demo-output/)")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds the pipeline may run (default 240)")
     add_redis_args(p)
     p.set_defaults(func=main)
 
 
-async def smoke(url: str, namespace: str, n: int) -> float:
-    redis = connect(RedisSettings(redis_url=url))
-    keys = Keys(namespace)
-    try:
-        s = StreamSettings()
-        prod = StreamProducer(redis, keys, "rollouts", s)
-        cons = StreamConsumer(redis, keys, "rollouts", "demo", s)
-        await cons.ensure_group()
-        t0 = time.perf_counter()
-        for i in range(n):
-            await prod.send(synthetic_rollout(8, 1024, group_id=f"demo-{i}", seed=i))
-        got = 0
-        while got < n:
-            batch = await cons.read(16)
-            for d in batch:
-                decode(d.payload, expect=RolloutGroup)
-            await cons.ack(batch)
-            got += len(batch)
-        return n / (time.perf_counter() - t0)
-    finally:
-        await redis.aclose()
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def main(args: argparse.Namespace) -> int:
+    from pipeline.demo import DemoConfig, plot, report, run_pipeline
+    from pipeline.pretrain import train_teacher
+    from pipeline.tinymodels import ensure_tiny_models
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    t0 = time.monotonic()
     embedded = None
-    if args.redis_url:
-        url = args.redis_url
-    else:
-        embedded = EmbeddedRedis().start()
-        url = embedded.url
-        console.print(f"embedded Redis on {url}")
     try:
-        rate = asyncio.run(smoke(url, redis_settings(args).namespace + "-demo", args.groups))
-        console.print(f"transport smoke run: {args.groups} groups of 8 x 1024 tokens, {rate:.0f} groups/s")
+        if args.redis_url:
+            url = args.redis_url
+        else:
+            embedded = EmbeddedRedis().start()
+            url = embedded.url
+            console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
+        with console.status("building tiny models (cached after the first run)..."):
+            tiny = ensure_tiny_models()
+        with console.status("training the teacher on the arithmetic task (cached)...") as status:
+            teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
+                f"training the teacher: step {s + 1}, loss {loss:.3f}"))
+        console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
+        cfg = DemoConfig(redis_url=url, out=args.out, namespace=args.namespace or "demo", steps=args.steps,
+                         rollout_workers=args.rollout_workers, timeout_s=args.timeout)
+        from pipeline.demo import enqueue
+
+        console.print(f"enqueued {enqueue(cfg)} prompts")
+        result = run_pipeline(cfg, tiny.student, teacher, console)
+        summary = report(result, console)
+        summary["total_s"] = round(time.monotonic() - t0, 1)
+        (args.out / "report.json").write_text(json.dumps(summary, indent=2))
+        png = plot(result, args.out / "reverse_kl.png")
+        console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
+                      + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
+        ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/yellow]")
+        return 130
     finally:
         if embedded is not None:
             embedded.stop()
-    return 0

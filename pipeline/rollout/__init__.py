@@ -1,0 +1,30 @@
+"""Student rollouts: inference backends, the token tracker, the OpenAI-compatible facade, rewards.
+
+The HF and vLLM backends are not imported here (``torch`` / ``httpx`` stay optional at import time):
+import ``pipeline.rollout.student_hf`` or ``pipeline.rollout.student_vllm`` directly.
+"""
+
+from pipeline.rollout.openai_facade import ChatCompletion, TextCompletion, TrackedClient
+from pipeline.rollout.rewards import RewardFn, get_reward, register_reward
+from pipeline.rollout.sampler import group_from_tracker, sample_group
+from pipeline.rollout.student_base import Completion, GenParams, StudentBackend, StudentBackendError
+from pipeline.rollout.tracker import Node, Tracker, TrackerState, TrackerStats
+
+__all__ = [
+    "ChatCompletion",
+    "Completion",
+    "GenParams",
+    "Node",
+    "RewardFn",
+    "StudentBackend",
+    "StudentBackendError",
+    "TextCompletion",
+    "TrackedClient",
+    "Tracker",
+    "TrackerState",
+    "TrackerStats",
+    "get_reward",
+    "group_from_tracker",
+    "register_reward",
+    "sample_group",
+]

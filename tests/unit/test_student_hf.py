@@ -1,0 +1,137 @@
+"""Local transformers student: sampled ids and raw logprobs match an independent full forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.rollout.rewards import get_reward
+from pipeline.rollout.sampler import sample_group
+from pipeline.rollout.student_base import Completion, GenParams
+from pipeline.rollout.student_hf import HFStudent, sample_next
+from pipeline.rollout.tracker import Tracker
+from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
+from schemas.codec import decode, encode
+from schemas.messages import RolloutGroup
+
+PROMPT_MESSAGES = [{"role": "user", "content": "12+3="}]
+
+
+@pytest.fixture(scope="module")
+def student() -> HFStudent:
+    return HFStudent.from_pretrained(ensure_tiny_models().student)
+
+
+@pytest.fixture(scope="module")
+def reference_model() -> Any:
+    return load_causal_lm(ensure_tiny_models().student)  # a separate copy: nothing shared with the backend
+
+
+def prompt_ids(student: HFStudent) -> list[int]:
+    text = student.tokenizer.apply_chat_template(PROMPT_MESSAGES, tokenize=False, add_generation_prompt=True)
+    return list(student.tokenizer.encode(text, add_special_tokens=False))
+
+
+def recompute(model: Any, tokens: list[int]) -> torch.Tensor:
+    """logprob[p] = log pi(tokens[p] | tokens[:p]) for p >= 1, by one full forward pass (entry 0 is 0)."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return torch.cat([torch.zeros(1), lp])
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+async def test_tracked_ids_and_logprobs_equal_a_full_forward(
+    student: HFStudent, reference_model: Any, temperature: float, top_p: float
+) -> None:
+    prompt = prompt_ids(student)
+    comps = await student.generate(prompt, n=3, max_tokens=12, temperature=temperature, top_p=top_p, seed=1)
+    assert len(comps) == 3
+    tracker = Tracker()
+    tracker.record(prompt, comps)
+    for seq, c in zip(tracker.sequences(), comps, strict=True):
+        tokens = seq.tokens.numpy().tolist()
+        assert tokens == prompt + c.token_ids
+        assert 1 <= len(c.token_ids) <= 12
+        assert c.finish_reason == ("stop" if c.token_ids[-1] in student.eos_token_ids else "length")
+        ref = recompute(reference_model, tokens)
+        mask = torch.from_numpy(seq.loss_mask.numpy().astype(bool))
+        got = torch.from_numpy(seq.logprobs.numpy().copy())
+        assert mask.sum() == len(c.token_ids)
+        torch.testing.assert_close(got[mask], ref[mask], atol=1e-5, rtol=0)  # raw, temperature-free
+        assert not got[~mask].any()
+
+
+async def test_seed_reproduces_and_greedy_equals_tiny_top_p(student: HFStudent) -> None:
+    prompt = prompt_ids(student)
+    a = await student.generate(prompt, n=2, max_tokens=10, seed=7)
+    b = await student.generate(prompt, n=2, max_tokens=10, seed=7)
+    c = await student.generate(prompt, n=2, max_tokens=10, seed=8)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    greedy = await student.generate(prompt, n=1, max_tokens=10, temperature=0.0)
+    nucleus = await student.generate(prompt, n=1, max_tokens=10, temperature=1.0, top_p=1e-6, seed=3)
+    assert greedy[0].token_ids == nucleus[0].token_ids
+
+
+async def test_stop_token_ends_the_completion_and_is_included(student: HFStudent) -> None:
+    prompt = prompt_ids(student)
+    [greedy] = await student.generate(prompt, max_tokens=16, temperature=0.0)
+    fresh = [i for i, t in enumerate(greedy.token_ids) if t not in greedy.token_ids[:i]]
+    k = fresh[min(2, len(fresh) - 1)]
+    stop = greedy.token_ids[k]
+    [cut] = await student.generate(prompt, max_tokens=16, temperature=0.0, stop_token_ids=[stop])
+    assert cut.token_ids == greedy.token_ids[: k + 1]
+    assert cut.finish_reason == "stop"
+    assert cut.logprobs == pytest.approx(greedy.logprobs[: k + 1], abs=1e-6)
+
+
+async def test_edge_requests(student: HFStudent) -> None:
+    prompt = prompt_ids(student)
+    assert await student.generate(prompt, n=2, max_tokens=0) == [Completion([], [], "length")] * 2
+    with pytest.raises(ValueError, match="empty"):
+        await student.generate([], max_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        await student.generate(prompt, top_p=0.0)
+    many = await asyncio.gather(*(student.generate(prompt, max_tokens=4, seed=s) for s in range(4)))
+    assert all(len(m) == 1 and len(m[0].token_ids) >= 1 for m in many)
+
+
+def test_sample_next_respects_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, 1.0, 0.7, gen)) for _ in range(300)}
+    assert draws == {0, 1}  # 0.5 + 0.3 covers 0.7; the tail never appears
+    assert int(sample_next(logits, 0.0, 1.0, gen)) == 0
+
+
+async def test_sample_group_end_to_end(student: HFStudent, reference_model: Any) -> None:
+    group = await sample_group(
+        student,
+        PROMPT_MESSAGES,
+        group_size=4,
+        params=GenParams(max_tokens=8, temperature=1.0, seed=11),
+        reward_fn=get_reward("math"),
+        answer="15",
+        env_id=3,
+        task_id="arith",
+        policy_version=5,
+        keep_messages=True,
+    )
+    back = decode(encode(group), expect=RolloutGroup)  # validates the wire contract too
+    assert back.group_id == group.group_id and len(back.sequences) == 4
+    assert back.policy_version == 5 and back.env_id == 3 and back.task_id == "arith"
+    assert back.generation_params == {"n": 4, "max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 11}
+    prompt = prompt_ids(student)
+    for seq in back.sequences:
+        tokens = seq.tokens.numpy().tolist()
+        assert tokens[: len(prompt)] == prompt and seq.prompt_len == len(prompt)
+        text = student.tokenizer.decode(tokens[len(prompt) :], skip_special_tokens=True)
+        assert seq.score == get_reward("math")(text, "15")
+        assert seq.messages is not None and seq.messages[-1] == {"role": "assistant", "content": text}
+        ref = recompute(reference_model, tokens)
+        got = torch.from_numpy(seq.logprobs.numpy().copy())
+        torch.testing.assert_close(got[len(prompt) :], ref[len(prompt) :], atol=1e-5, rtol=0)
