@@ -49,7 +49,8 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
         code = a.dtype.str
         if code not in ALLOWED:
             raise ArrayError(f"dtype {code} is not allowed on the wire (allowed: {sorted(ALLOWED)})")
-        return cls(code, tuple(int(n) for n in a.shape), memoryview(a).cast("B"))
+        # Flatten first: memoryview.cast rejects shapes with a zero dimension, e.g. (0, k).
+        return cls(code, tuple(int(n) for n in a.shape), a.reshape(-1).data.cast("B"))
 
     def check(self, name: str) -> None:
         """Raise ``ArrayError`` naming ``name`` unless dtype, shape and byte length agree."""
@@ -64,9 +65,8 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
             raise ArrayError(f"{name}: data must be a flat byte buffer")
         expected = n * _ITEMSIZE[self.dtype]
         if self.data.nbytes != expected:
-            raise ArrayError(
-                f"{name}: {self.data.nbytes} bytes for shape {self.shape} of {self.dtype} (expected {expected})"
-            )
+            got = self.data.nbytes
+            raise ArrayError(f"{name}: {got} bytes for shape {self.shape} of {self.dtype} (expected {expected})")
 
     def numpy(self) -> npt.NDArray[np.generic]:
         """Zero-copy, read-only view of the array (call ``check`` first on untrusted input)."""

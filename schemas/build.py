@@ -32,7 +32,10 @@ def make_sequence(
     if prompt_len is None:
         nz = np.flatnonzero(mask)
         prompt_len = int(nz[0]) if nz.size else int(tok.shape[0])
-    f32 = lambda a: None if a is None else Array.from_numpy(np.asarray(a), FLOAT32)  # noqa: E731
+
+    def f32(a: npt.ArrayLike | None) -> Array | None:
+        return None if a is None else Array.from_numpy(np.asarray(a), FLOAT32)
+
     lp = None
     if logprobs is not None:
         lp = np.where(mask.astype(bool), np.asarray(logprobs, dtype=np.float32), np.float32(0.0))
@@ -50,7 +53,11 @@ def make_sequence(
 
 
 def make_teacher(
-    topk_ids: npt.ArrayLike, topk_logprobs: npt.ArrayLike, sampled_logprobs: npt.ArrayLike, *, fp16: bool = False
+    topk_ids: npt.ArrayLike,
+    topk_logprobs: npt.ArrayLike,
+    sampled_logprobs: npt.ArrayLike,
+    *,
+    fp16: bool = False,
 ) -> TeacherPayload:
     ids = np.asarray(topk_ids, dtype=np.int32)
     return TeacherPayload(
@@ -92,7 +99,9 @@ def synthetic_rollout(
     )
 
 
-def synthetic_teacher(seq: Sequence, k: int, *, vocab: int = 1000, seed: int = 0, fp16: bool = False) -> TeacherPayload:
+def synthetic_teacher(
+    seq: Sequence, k: int, *, vocab: int = 1000, seed: int = 0, fp16: bool = False
+) -> TeacherPayload:
     """A random teacher payload that obeys the position convention for ``seq``."""
     rng = np.random.default_rng(seed)
     tok = seq.tokens.numpy()
@@ -112,10 +121,11 @@ def synthetic_teacher(seq: Sequence, k: int, *, vocab: int = 1000, seed: int = 0
 
 
 def synthetic_scored(rollout: RolloutGroup, k: int = 20, *, vocab: int = 1000, seed: int = 0) -> ScoredGroup:
+    seqs = rollout.sequences
     return ScoredGroup(
         group=rollout,
         status=DistillStatus.OK,
-        teacher=[synthetic_teacher(s, k, vocab=vocab, seed=seed + i) for i, s in enumerate(rollout.sequences)],
+        teacher=[synthetic_teacher(s, k, vocab=vocab, seed=seed + i) for i, s in enumerate(seqs)],
         k=k,
         teacher_id="synthetic",
         scored_at=time.time(),

@@ -1,0 +1,472 @@
+"""Codec: exact round trips, zero-copy decoding, one DecodeError per validation rule, schema evolution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from schemas.arrays import FLOAT16, FLOAT16_MAX_RELATIVE_ERROR, FLOAT16_MIN_LOGPROB, FLOAT32, INT32, UINT8, Array
+from schemas.build import make_sequence, make_teacher, synthetic_rollout, synthetic_scored, synthetic_teacher
+from schemas.codec import decode, encode
+from schemas.messages import (
+    SCHEMA_VERSION,
+    DistillStatus,
+    RolloutGroup,
+    ScoredGroup,
+    Sequence,
+    TeacherPayload,
+    TrainBatch,
+)
+from schemas.validate import DecodeError, Limits
+
+replace = msgspec.structs.replace
+
+
+def same(a: Any, b: Any, path: str = "msg") -> None:
+    """Assert two messages are identical: arrays bit for bit, every other field by equality."""
+    if isinstance(a, Array):
+        assert isinstance(b, Array), path
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert bytes(a.data) == bytes(b.data), path
+        assert np.array_equal(a.numpy(), b.numpy()), path
+    elif isinstance(a, msgspec.Struct):
+        assert type(a) is type(b), path
+        for f in msgspec.structs.fields(a):
+            same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b and type(a) is type(b), path
+
+
+def rollout(**kw: Any) -> RolloutGroup:
+    return synthetic_rollout(3, [7, 1, 12], vocab=500, prompt_len=3, seed=4, **kw)
+
+
+def scored(k: int = 5, **kw: Any) -> ScoredGroup:
+    return synthetic_scored(rollout(**kw), k, vocab=500, seed=9)
+
+
+def seq_replace(g: RolloutGroup, i: int, **changes: Any) -> RolloutGroup:
+    seqs = list(g.sequences)
+    seqs[i] = replace(seqs[i], **changes)
+    return replace(g, sequences=seqs)
+
+
+def teacher_replace(s: ScoredGroup, i: int, **changes: Any) -> ScoredGroup:
+    assert s.teacher is not None
+    ts = list(s.teacher)
+    ts[i] = replace(ts[i], **changes)
+    return replace(s, teacher=ts)
+
+
+def expect_error(msg: Any, field: str, limits: Limits | None = None, match: str | None = None) -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        decode(encode(msg), limits or Limits())
+    assert info.value.field == field, info.value
+    if match is not None:
+        assert match in info.value.reason, info.value
+    return info.value
+
+
+# --- round trips -----------------------------------------------------------------------------------
+
+
+def test_rollout_round_trip_is_exact() -> None:
+    g = rollout(group_overrides={"teacher_top_k": 4}, policy_version=3)
+    g = replace(g, env_id=2, task_id="t1", generation_params={"temperature": 0.7}, metadata={"a": [1, 2]})
+    g = seq_replace(g, 0, advantages=Array.from_numpy(np.linspace(-1, 1, 7), FLOAT32), spans=[(3, 7)])
+    g = seq_replace(g, 2, overrides={"set_advantage_to_zero": True}, messages=[{"role": "user", "content": "x"}])
+    back = decode(encode(g), expect=RolloutGroup)
+    same(g, back)
+
+
+def test_scored_round_trip_is_exact_float32_and_float16() -> None:
+    s = scored(k=6)
+    same(s, decode(encode(s), expect=ScoredGroup))
+    g = rollout()
+    half = replace(
+        s,
+        teacher=[synthetic_teacher(q, 6, vocab=500, seed=i, fp16=True) for i, q in enumerate(g.sequences)],
+        group=g,
+    )
+    back = decode(encode(half), expect=ScoredGroup)
+    same(half, back)
+    assert back.teacher is not None and back.teacher[0].topk_logprobs.dtype == FLOAT16
+
+
+def test_batch_round_trip_is_exact() -> None:
+    s = scored()
+    adv = [Array.from_numpy(np.full(q.length, 0.5, np.float32), FLOAT32) for q in s.group.sequences]
+    b = TrainBatch(batch_id="b1", groups=[s], advantages=adv, kl_coef=0.1, stats={"x": 1.0})
+    same(b, decode(encode(b), expect=TrainBatch))
+
+
+@pytest.mark.parametrize("status", [DistillStatus.SKIPPED, DistillStatus.DROPPED])
+def test_scored_without_payload_round_trips(status: DistillStatus) -> None:
+    s = ScoredGroup(group=rollout(), status=status, reason="teacher timed out")
+    same(s, decode(encode(s)))
+
+
+def test_decode_accepts_memoryview_and_bytearray() -> None:
+    s = scored()
+    data = encode(s)
+    same(s, decode(memoryview(data)))
+    same(s, decode(bytearray(data)))
+
+
+def test_expect_names_the_wrong_kind() -> None:
+    with pytest.raises(DecodeError) as info:
+        decode(encode(rollout()), expect=ScoredGroup)
+    assert info.value.field == "t"
+
+
+# --- zero copy -------------------------------------------------------------------------------------
+
+
+def test_decoded_arrays_are_read_only_views_into_the_message_bytes() -> None:
+    s = scored()
+    data = encode(s)
+    back = decode(data, expect=ScoredGroup)
+    whole = np.frombuffer(data, np.uint8)
+    assert back.teacher is not None
+    for arr in (back.group.sequences[0].tokens, back.teacher[0].topk_logprobs, back.teacher[2].topk_ids):
+        assert arr.data.obj is data
+        view = arr.numpy()
+        assert np.shares_memory(view, whole)
+        assert not view.flags.writeable
+        with pytest.raises(ValueError):
+            view[0] = 0
+
+
+def test_encode_copies_once_and_does_not_alias_the_source() -> None:
+    tok = np.arange(10, dtype=np.int32)
+    seq = make_sequence(tok, np.r_[np.zeros(3), np.ones(7)].astype(np.uint8))
+    assert np.shares_memory(seq.tokens.numpy(), tok)  # from_numpy wraps conforming arrays without a copy
+    data = encode(RolloutGroup(group_id="g", sequences=[seq]))
+    tok[5] = 99
+    back = decode(data, expect=RolloutGroup)
+    assert back.sequences[0].tokens.numpy()[5] == 5
+
+
+def test_empty_teacher_rows_for_single_token_sequences() -> None:
+    g = synthetic_rollout(2, [1, 1], vocab=50)
+    s = synthetic_scored(g, 3, vocab=50)
+    back = decode(encode(s), expect=ScoredGroup)
+    assert back.teacher is not None and back.teacher[0].topk_ids.shape == (0, 3)
+    same(s, back)
+
+
+# --- one DecodeError per rule -------------------------------------------------------------------------
+
+SEQ0 = "group.sequences[0]"
+SSEQ0 = "scored.group.sequences[0]"
+
+
+def test_loss_mask_length_mismatch() -> None:
+    g = seq_replace(rollout(), 0, loss_mask=Array.from_numpy(np.zeros(6, np.uint8), UINT8))
+    expect_error(g, f"{SEQ0}.loss_mask", match="6 != 7")
+
+
+@pytest.mark.parametrize("field", ["logprobs", "advantages", "ref_logprobs"])
+def test_per_token_float_length_mismatch(field: str) -> None:
+    g = seq_replace(rollout(), 2, **{field: Array.from_numpy(np.zeros(11, np.float32), FLOAT32)})
+    expect_error(g, f"group.sequences[2].{field}", match="11 != 12")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_student_logprob(bad: float) -> None:
+    lp = np.full(7, -1.0, np.float32)
+    lp[4] = bad
+    g = seq_replace(rollout(), 0, logprobs=Array.from_numpy(lp, FLOAT32))
+    expect_error(g, f"{SEQ0}.logprobs", match="flat index 4")
+    decode(encode(g), Limits(check_values=False))  # structural checks alone let it through
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16])
+def test_non_finite_teacher_logprob(dtype: str) -> None:
+    s = scored()
+    assert s.teacher is not None
+    lps = s.teacher[0].topk_logprobs.numpy().astype(np.float32)
+    lps[2, 1] = np.nan
+    expect_error(teacher_replace(s, 0, topk_logprobs=Array.from_numpy(lps, dtype)), "scored.teacher[0].topk_logprobs")
+
+
+def test_non_finite_sampled_logprob() -> None:
+    s = scored()
+    assert s.teacher is not None
+    sampled = s.teacher[2].sampled_logprobs.numpy().copy()
+    sampled[-1] = -np.inf
+    s = teacher_replace(s, 2, sampled_logprobs=Array.from_numpy(sampled, FLOAT32))
+    expect_error(s, "scored.teacher[2].sampled_logprobs", match="non-finite")
+
+
+def test_negative_token_id() -> None:
+    tok = rollout().sequences[0].tokens.numpy().copy()
+    tok[3] = -1
+    g = seq_replace(rollout(), 0, tokens=Array.from_numpy(tok, INT32))
+    expect_error(g, f"{SEQ0}.tokens", match="negative")
+
+
+def test_token_ids_bound_by_vocabulary() -> None:
+    g = rollout()
+    decode(encode(g), Limits(vocab_size=500))
+    expect_error(g, f"{SEQ0}.tokens", Limits(vocab_size=100), match="vocabulary of 100")
+
+
+def test_teacher_ids_bound_by_vocabulary() -> None:
+    s = scored()
+    assert s.teacher is not None
+    ids = s.teacher[0].topk_ids.numpy().copy()
+    ids[0, 0] = 500
+    s = teacher_replace(s, 0, topk_ids=Array.from_numpy(ids, INT32))
+    expect_error(s, "scored.teacher[0].topk_ids", Limits(vocab_size=500))
+
+
+def test_k_above_max_k() -> None:
+    expect_error(scored(k=5), "scored.teacher[0].k", Limits(max_k=4), match="outside [1, 4]")
+
+
+def test_k_differs_from_group_k() -> None:
+    expect_error(replace(scored(k=5), k=6), "scored.teacher[0].k", match="!= group k 6")
+
+
+def test_oversize_message() -> None:
+    data = encode(scored())
+    with pytest.raises(DecodeError) as info:
+        decode(data, Limits(max_bytes=len(data) - 1))
+    assert info.value.field == "message" and "exceeds" in info.value.reason
+    decode(data, Limits(max_bytes=len(data)))
+
+
+@pytest.mark.parametrize("version", [SCHEMA_VERSION + 1, 0])
+def test_unknown_schema_version(version: int) -> None:
+    expect_error(replace(rollout(), schema=version), "schema", match="not supported")
+    expect_error(replace(scored(), schema=version), "schema")
+
+
+def test_too_many_sequences_and_too_long() -> None:
+    expect_error(rollout(), "group.sequences", Limits(max_sequences=2))
+    expect_error(rollout(), "group.sequences[2].tokens", Limits(max_seq_len=11))
+
+
+def test_empty_group_id_and_empty_group() -> None:
+    expect_error(replace(rollout(), group_id=""), "group.group_id")
+    expect_error(replace(rollout(), sequences=[]), "group.sequences")
+
+
+def test_wrong_dtype_shape_and_byte_length() -> None:
+    g = rollout()
+    f64 = Array("<f8", (7,), memoryview(np.zeros(7).tobytes()))
+    expect_error(seq_replace(g, 0, tokens=f64), f"{SEQ0}.tokens", match="not allowed")
+    f32 = Array(FLOAT32, (7,), memoryview(np.zeros(7, np.float32).tobytes()))
+    expect_error(seq_replace(g, 0, tokens=f32), f"{SEQ0}.tokens", match="expected <i4")
+    two_d = Array(INT32, (7, 1), memoryview(np.zeros(7, np.int32).tobytes()))
+    expect_error(seq_replace(g, 0, tokens=two_d), f"{SEQ0}.tokens", match="dims")
+    short = Array(INT32, (7,), memoryview(b"\0" * 27))
+    expect_error(seq_replace(g, 0, tokens=short), f"{SEQ0}.tokens", match="27 bytes")
+    negative = Array(INT32, (-1,), memoryview(b""))
+    expect_error(seq_replace(g, 0, tokens=negative), f"{SEQ0}.tokens", match="negative dimension")
+
+
+def test_mask_values_and_prompt_positions() -> None:
+    g = rollout()
+    m = g.sequences[0].loss_mask.numpy().copy()
+    m[5] = 2
+    expect_error(seq_replace(g, 0, loss_mask=Array.from_numpy(m, UINT8)), f"{SEQ0}.loss_mask", match="0 or 1")
+    m = g.sequences[0].loss_mask.numpy().copy()
+    m[0] = 1
+    expect_error(seq_replace(g, 0, loss_mask=Array.from_numpy(m, UINT8), prompt_len=0), f"{SEQ0}.loss_mask")
+    expect_error(seq_replace(g, 0, prompt_len=5), f"{SEQ0}.loss_mask", match="prompt positions")
+    expect_error(seq_replace(g, 0, prompt_len=8), f"{SEQ0}.prompt_len")
+
+
+def test_spans_outside_sequence() -> None:
+    expect_error(seq_replace(rollout(), 0, spans=[(0, 3)]), f"{SEQ0}.spans[0]")
+    expect_error(seq_replace(rollout(), 0, spans=[(2, 8)]), f"{SEQ0}.spans[0]")
+
+
+def test_teacher_top_k_override_must_be_int() -> None:
+    expect_error(rollout(group_overrides={"teacher_top_k": "5"}), "group.group_overrides.teacher_top_k")
+
+
+def test_payload_count_and_status_consistency() -> None:
+    s = scored()
+    assert s.teacher is not None
+    expect_error(replace(s, teacher=s.teacher[:2]), "scored.teacher", match="2 payloads for 3")
+    expect_error(replace(s, teacher=None), "scored.teacher")
+    expect_error(replace(s, status=DistillStatus.SKIPPED), "scored.teacher", match="status skipped")
+    expect_error(ScoredGroup(group=s.group, status=DistillStatus.DROPPED), "scored.reason")
+
+
+def test_batch_advantages_count_and_length() -> None:
+    s = scored()
+    adv = [Array.from_numpy(np.zeros(q.length, np.float32), FLOAT32) for q in s.group.sequences]
+    expect_error(TrainBatch(batch_id="b", groups=[s], advantages=adv[:2]), "batch.advantages")
+    adv[1] = Array.from_numpy(np.zeros(3, np.float32), FLOAT32)
+    expect_error(TrainBatch(batch_id="b", groups=[s], advantages=adv), "batch.advantages[1]")
+
+
+def test_teacher_rows_in_reference_layout_are_rejected() -> None:
+    """L rows (entry per token, the reference layout) instead of L-1 logits-aligned rows."""
+    s = scored()
+    assert s.teacher is not None
+    t = s.teacher[0]
+    ids = np.vstack([t.topk_ids.numpy()[:1], t.topk_ids.numpy()])
+    expect_error(teacher_replace(s, 0, topk_ids=Array.from_numpy(ids, INT32)), "scored.teacher[0].topk_ids")
+
+
+def _aligned_teacher(seq: Sequence, k: int, seed: int) -> TeacherPayload:
+    """A payload whose row r ranks the true next token tokens[r+1] first, clearly ahead of the rest."""
+    rng = np.random.default_rng(seed)
+    tok = seq.tokens.numpy()
+    rows = tok.shape[0] - 1
+    ids = rng.integers(10_000, 20_000, (rows, k), dtype=np.int32)
+    ids[:, 0] = tok[1:]
+    lps = np.sort(-rng.uniform(2.0, 9.0, (rows, k)), axis=1)[:, ::-1].astype(np.float32)
+    lps[:, 0] = -0.1
+    return make_teacher(ids, lps, lps[:, 0])
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_teacher_rows_shifted_by_one_are_rejected(shift: int) -> None:
+    g = synthetic_rollout(2, [40, 40], vocab=500, seed=1)
+    good = [_aligned_teacher(q, 4, i) for i, q in enumerate(g.sequences)]
+    s = ScoredGroup(group=g, status=DistillStatus.OK, teacher=good, k=4)
+    decode(encode(s))
+    t = good[1]
+    moved = {
+        f: Array.from_numpy(np.roll(getattr(t, f).numpy(), shift, axis=0), getattr(t, f).dtype)
+        for f in ("topk_ids", "topk_logprobs", "sampled_logprobs")
+    }
+    err = expect_error(teacher_replace(s, 1, **moved), "scored.teacher[1].sampled_logprobs", match="logits-aligned")
+    assert "row" in err.reason
+
+
+def test_unsorted_teacher_rows_are_rejected() -> None:
+    s = scored(k=5)
+    assert s.teacher is not None
+    lps = s.teacher[2].topk_logprobs.numpy().copy()
+    lps[-1] = lps[-1][::-1]  # the last row is always among the spot-checked rows
+    s = teacher_replace(s, 2, topk_logprobs=Array.from_numpy(lps, FLOAT32))
+    expect_error(s, "scored.teacher[2].topk_logprobs", match="not sorted")
+
+
+def test_positive_teacher_logprob_is_rejected() -> None:
+    s = scored(k=5)
+    assert s.teacher is not None
+    lps = s.teacher[0].topk_logprobs.numpy().copy()
+    lps[0] += 1.0 - lps[0, 0]  # row 0 now starts at +1.0, still sorted
+    expect_error(teacher_replace(s, 0, topk_logprobs=Array.from_numpy(lps, FLOAT32)), "scored.teacher[0].topk_logprobs")
+
+
+def test_sampled_logprob_disagreeing_with_its_topk_entry() -> None:
+    g = synthetic_rollout(1, 20, vocab=500, seed=2)
+    t = _aligned_teacher(g.sequences[0], 3, 0)
+    sampled = t.sampled_logprobs.numpy() - 0.5
+    s = ScoredGroup(
+        group=g, status=DistillStatus.OK, teacher=[replace(t, sampled_logprobs=Array.from_numpy(sampled, FLOAT32))], k=3
+    )
+    expect_error(s, "scored.teacher[0].sampled_logprobs")
+
+
+@pytest.mark.parametrize("cut", [0, 1, 10, -1])
+def test_truncated_and_garbage_bytes(cut: int) -> None:
+    data = encode(scored())
+    with pytest.raises(DecodeError) as info:
+        decode(data[:cut])
+    assert info.value.field == "message"
+
+
+def test_garbage_types_are_decode_errors() -> None:
+    for junk in (msgspec.msgpack.encode({"t": "rollout", "group_id": 5}), msgspec.msgpack.encode([1, 2]), b"\xc1"):
+        with pytest.raises(DecodeError):
+            decode(junk)
+
+
+# --- schema evolution --------------------------------------------------------------------------------
+
+
+class SequenceNext(Sequence, frozen=True, kw_only=True):
+    """A later writer's Sequence: one more defaulted field."""
+
+    teacher_hint: list[int] = msgspec.field(default_factory=list)
+
+
+class RolloutGroupNext(msgspec.Struct, frozen=True, kw_only=True, tag="rollout", tag_field="t"):
+    """A later writer's RolloutGroup: same tag, an added defaulted field (and nested added fields)."""
+
+    group_id: str
+    sequences: list[SequenceNext]
+    schema: int = SCHEMA_VERSION
+    env_id: int = 0
+    task_id: str = ""
+    policy_version: int = 0
+    created_at: float = 0.0
+    group_overrides: dict[str, Any] | None = None
+    generation_params: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    discard: bool = False
+    priority: float = 1.0
+
+
+class RolloutGroupOld(msgspec.Struct, frozen=True, kw_only=True, tag="rollout", tag_field="t"):
+    """An earlier writer's RolloutGroup, before ``generation_params``, ``metadata`` and ``discard``."""
+
+    group_id: str
+    sequences: list[Sequence]
+    schema: int = SCHEMA_VERSION
+    env_id: int = 0
+    task_id: str = ""
+    policy_version: int = 0
+    created_at: float = 0.0
+    group_overrides: dict[str, Any] | None = None
+
+
+def test_message_from_a_newer_writer_with_extra_fields_decodes() -> None:
+    g = rollout(policy_version=5)
+    seqs = [SequenceNext(**msgspec.structs.asdict(q), teacher_hint=[1, 2]) for q in g.sequences]
+    newer = RolloutGroupNext(**{**msgspec.structs.asdict(g), "sequences": seqs}, priority=0.25)
+    back = decode(encode(newer), expect=RolloutGroup)
+    same(g, back)
+    assert not hasattr(back, "priority")
+
+
+def test_message_from_an_older_writer_without_newer_fields_decodes() -> None:
+    g = rollout(policy_version=2)
+    fields = {f.name for f in msgspec.structs.fields(RolloutGroupOld)}
+    older = RolloutGroupOld(**{k: v for k, v in msgspec.structs.asdict(g).items() if k in fields})
+    back = decode(encode(older), expect=RolloutGroup)
+    assert back.generation_params is None and back.metadata is None and back.discard is False
+    same(replace(g, generation_params=None, metadata=None, discard=False), back)
+
+
+# --- float16 teacher logprobs ------------------------------------------------------------------------
+
+
+def test_float16_teacher_logprobs_within_documented_error() -> None:
+    rng = np.random.default_rng(0)
+    g = synthetic_rollout(2, 300, vocab=1000, seed=3)
+    teachers = []
+    exact = []
+    for q in g.sequences:
+        ids = 1000 + np.stack([rng.choice(1000, 8, replace=False) for _ in range(q.length - 1)]).astype(np.int32)
+        lps = np.sort(-rng.uniform(0.001, 40.0, ids.shape), axis=1)[:, ::-1].astype(np.float32)
+        lps[0, -1] = -70000.0  # below float16 range: clipped to FLOAT16_MIN_LOGPROB on encode
+        exact.append(lps)
+        teachers.append(make_teacher(ids, lps, np.minimum(lps[:, -1], -45.0), fp16=True))
+    s = ScoredGroup(group=g, status=DistillStatus.OK, teacher=teachers, k=8)
+    back = decode(encode(s), expect=ScoredGroup)
+    assert back.teacher is not None
+    for t, lps in zip(back.teacher, exact, strict=True):
+        got = t.topk_logprobs.numpy()
+        assert got.dtype == np.float16
+        want = np.maximum(lps, FLOAT16_MIN_LOGPROB)
+        err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        assert (err <= FLOAT16_MAX_RELATIVE_ERROR * np.abs(want)).all()
+        assert got[0, -1] == FLOAT16_MIN_LOGPROB

@@ -1,0 +1,159 @@
+"""Property tests: every valid group round-trips exactly; corrupted bytes only ever raise DecodeError."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas.arrays import FLOAT32, Array
+from schemas.build import make_sequence, make_teacher
+from schemas.codec import decode, encode
+from schemas.messages import DistillStatus, Message, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
+from schemas.validate import DecodeError, Limits, validate
+from tests.unit.test_codec import same
+
+VOCAB = 5000
+SETTINGS = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.text(max_size=5))
+small_dicts = st.dictionaries(st.text(max_size=6), json_scalars, max_size=3)
+finite = st.floats(-1e6, 1e6, allow_nan=False, width=32)
+
+
+@st.composite
+def sequences(draw: st.DrawFn) -> Sequence:
+    n = draw(st.integers(1, 64))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    tokens = rng.integers(0, VOCAB, n, dtype=np.int32)
+    mask = rng.integers(0, 2, n).astype(np.uint8)
+    mask[: draw(st.integers(1, n))] = 0  # the prompt (always including position 0)
+
+    def per_token() -> Any:
+        return -rng.exponential(1.0, n).astype(np.float32) if draw(st.booleans()) else None
+
+    seq = make_sequence(
+        tokens,
+        mask,
+        logprobs=per_token(),
+        score=draw(finite),
+        advantages=per_token(),
+        ref_logprobs=per_token(),
+        overrides=draw(st.none() | small_dicts),
+        messages=draw(st.none() | st.lists(small_dicts, max_size=2)),
+    )
+    if draw(st.booleans()) and n > 1:
+        start = draw(st.integers(1, n))
+        seq = Sequence(**{**_fields(seq), "spans": [(start, draw(st.integers(start, n)))]})
+    return seq
+
+
+def _fields(s: Sequence) -> dict[str, Any]:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
+@st.composite
+def rollouts(draw: st.DrawFn) -> RolloutGroup:
+    return RolloutGroup(
+        group_id=draw(st.text(min_size=1, max_size=40)),
+        sequences=draw(st.lists(sequences(), min_size=1, max_size=4)),
+        env_id=draw(st.integers(0, 2**31)),
+        task_id=draw(st.text(max_size=10)),
+        policy_version=draw(st.integers(0, 2**40)),
+        created_at=draw(st.floats(0, 2e9)),
+        group_overrides=draw(st.none() | st.fixed_dictionaries({"teacher_top_k": st.integers(1, 64)})),
+        generation_params=draw(st.none() | small_dicts),
+        metadata=draw(st.none() | small_dicts),
+        discard=draw(st.booleans()),
+    )
+
+
+def teacher_for(seq: Sequence, k: int, seed: int, fp16: bool) -> TeacherPayload:
+    """A payload obeying the convention: rows sorted, sampled = its top-k entry or below the row."""
+    rng = np.random.default_rng(seed)
+    tok = seq.tokens.numpy()
+    rows = tok.shape[0] - 1
+    ids = np.stack([rng.choice(VOCAB, k, replace=False) for _ in range(rows)]) if rows else np.empty((0, k))
+    ids = ids.astype(np.int32)
+    put = rng.random(rows) < 0.5  # half the rows hold the true next token
+    ids[put, rng.integers(0, k, rows)[put]] = tok[1:][put]
+    ids[~put] = np.where(ids[~put] == tok[1:][~put, None], (ids[~put] + 1) % VOCAB, ids[~put])
+    lps = np.sort(-rng.exponential(3.0, (rows, k)), axis=1)[:, ::-1].astype(np.float32)
+    if fp16:
+        lps = lps.astype(np.float16).astype(np.float32)
+    hit = ids == tok[1:, None]
+    has = hit.any(axis=1)
+    sampled = (lps[:, -1] if rows else np.empty(0, np.float32)) - rng.exponential(1.0, rows).astype(np.float32)
+    sampled[has] = lps[has, hit[has].argmax(axis=1)]
+    return make_teacher(ids, lps, sampled, fp16=fp16)
+
+
+@st.composite
+def scored_groups(draw: st.DrawFn) -> ScoredGroup:
+    g = draw(rollouts())
+    status = draw(st.sampled_from(DistillStatus))
+    if status is not DistillStatus.OK:
+        return ScoredGroup(group=g, status=status, reason=draw(st.text(min_size=1, max_size=20)))
+    k = draw(st.integers(1, 32))
+    seed, fp16 = draw(st.integers(0, 2**32 - 1)), draw(st.booleans())
+    teachers = [teacher_for(s, k, seed + i, fp16) for i, s in enumerate(g.sequences)]
+    return ScoredGroup(group=g, status=status, teacher=teachers, k=k, teacher_id=draw(st.text(max_size=8)))
+
+
+messages: st.SearchStrategy[Message] = st.one_of(rollouts(), scored_groups())
+
+
+@SETTINGS
+@given(messages)
+def test_any_valid_group_round_trips_exactly(msg: Message) -> None:
+    validate(msg, Limits())  # the strategy only builds valid groups
+    data = encode(msg)
+    back = decode(data)
+    same(msg, back)
+    same(msg, decode(data, Limits(check_values=False)))
+    assert encode(back) == data
+
+
+@st.composite
+def corrupted(draw: st.DrawFn) -> tuple[str, bytes]:
+    data = encode(draw(messages))
+    how = draw(st.sampled_from(["truncate", "flip", "random", "insert"]))
+    if how == "truncate":
+        return how, data[: draw(st.integers(0, len(data) - 1))]
+    if how == "random":
+        return how, draw(st.binary(max_size=400))
+    buf = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(buf) - 1))
+        if how == "flip":
+            buf[i] ^= draw(st.integers(1, 255))
+        else:
+            buf[i:i] = draw(st.binary(min_size=1, max_size=4))
+    return how, bytes(buf)
+
+
+@SETTINGS
+@given(corrupted())
+def test_corrupted_bytes_only_ever_raise_decode_error(case: tuple[str, bytes]) -> None:
+    how, data = case
+    try:
+        msg = decode(data)
+    except DecodeError as e:
+        assert e.field and e.reason
+        return
+    # A flip or insert inside array bytes or a string can leave a valid message; truncated or random
+    # bytes never do (a message is a msgpack map, which truncation leaves incomplete).
+    assert how in ("flip", "insert"), how
+    validate(msg, Limits())
+
+
+def test_single_token_rollout_round_trips() -> None:
+    seq = make_sequence([7], [0], logprobs=[0.0], advantages=[0.5])
+    g = RolloutGroup(group_id="one", sequences=[seq])
+    same(g, decode(encode(g)))
+    t = make_teacher(np.empty((0, 3), np.int32), np.empty((0, 3), np.float32), np.empty(0, np.float32))
+    s = ScoredGroup(group=g, status=DistillStatus.OK, teacher=[t], k=3)
+    same(s, decode(encode(s)))
+    assert Array.from_numpy(np.empty((0, 3), np.float32), FLOAT32).nbytes == 0
