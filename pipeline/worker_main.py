@@ -67,8 +67,14 @@ async def run_worker(
     return 0
 
 
-async def check_health(redis_settings: RedisSettings, stage: str, max_age_s: float = 30.0) -> tuple[bool, str]:
-    """Healthy when some worker of ``stage`` wrote its heartbeat within ``max_age_s``."""
+async def check_health(
+    redis_settings: RedisSettings, stage: str, max_age_s: float = 30.0, *, host: str | None = None
+) -> tuple[bool, str]:
+    """Healthy when a worker of ``stage`` (on ``host``, if given) wrote its heartbeat within ``max_age_s``.
+
+    A container health check passes ``host=socket.gethostname()`` so that each replica reports on its
+    own worker, not on any replica of the stage.
+    """
     redis = connect(redis_settings)
     keys = Keys(redis_settings.namespace)
     try:
@@ -81,10 +87,13 @@ async def check_health(redis_settings: RedisSettings, stage: str, max_age_s: flo
             if raw is None:
                 continue
             info = json.loads(raw)
+            if host is not None and info.get("host") != host:
+                continue
             if now - float(info.get("ts", 0)) <= max_age_s:
                 fresh.append(info)
         if not fresh:
-            return False, f"{len(names)} {stage} heartbeat(s), none fresher than {max_age_s:.0f} s"
+            where = f" from host {host!r}" if host is not None else ""
+            return False, f"{len(names)} {stage} heartbeat(s), none{where} fresher than {max_age_s:.0f} s"
         return True, f"{len(fresh)} {stage} worker(s) healthy"
     finally:
         await redis.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,7 +28,9 @@ def env(name: str, default: str | None = None) -> str | None:
 def add_common_args(p: argparse.ArgumentParser) -> None:
     add_redis_args(p)
     p.add_argument("--burst", action="store_true", help="drain the input stream, then exit 0")
-    p.add_argument("--check", action="store_true", help="exit 0 if a worker of this stage is healthy, else 1")
+    p.add_argument("--check", action="store_true",
+                   help="exit 0 if this host's worker of this stage is healthy, else 1 (container health check)")
+    p.add_argument("--any-host", action="store_true", help="with --check: any worker of the stage counts")
     p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "0") or 0),
                    help="Prometheus port (0: off; env DISTILLQ_METRICS_PORT)")
     p.add_argument("--metrics-host", default=env("METRICS_HOST", "127.0.0.1"),
@@ -46,7 +49,7 @@ def run_stage(stage: str, args: argparse.Namespace, serve: Serve) -> int:
     """``--check`` or run the stage until a signal (or, with ``--burst``, until drained)."""
     rs = redis_settings(args)
     if args.check:
-        ok, why = asyncio.run(check_health(rs, stage))
+        ok, why = asyncio.run(check_health(rs, stage, host=None if args.any_host else socket.gethostname()))
         print(why, file=sys.stdout if ok else sys.stderr)
         return 0 if ok else 1
 

@@ -1,16 +1,21 @@
-"""``distillq tail STREAM``: read entries without consuming them (XREVRANGE / XREAD, no consumer group)."""
+"""``distillq tail STREAM``: read entries without consuming them (XREVRANGE / XREAD, no consumer group).
+
+``--decode`` renders one sequence per entry through a local tokenizer: prompt and completion text
+with trainable parts marked and, for scored groups, the teacher's top-k next to each sampled token.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from pipeline.cli.common import add_redis_args, run, stream_name, with_redis
-from pipeline.inspect import decode_entry, one_line, summarize_entry
+from pipeline.cli.common import add_redis_args, env_default, run, stream_name, with_redis
+from pipeline.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
 from pipeline.keys import Keys
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
 from schemas.atropos import to_atropos
@@ -26,6 +31,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="atropos: the reference ScoredDataGroup layout, one JSON object per line")
     p.add_argument("--group-id", default=None, help="only entries of this group id")
     p.add_argument("--status", choices=["ok", "skipped", "dropped"], default=None, help="only scored groups with it")
+    p.add_argument("--decode", action="store_true", help="show a sequence as text, with the teacher's top-k")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="local tokenizer directory for --decode (default: $DISTILLQ_TOKENIZER)")
+    p.add_argument("--seq", type=int, default=0, metavar="I", help="with --decode: which sequence (default 0)")
+    p.add_argument("--top", type=int, default=5, metavar="N", help="with --decode: teacher top-k entries shown")
+    p.add_argument("--all-positions", action="store_true", help="with --decode: masked positions too")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -36,10 +47,30 @@ def _matches(args: argparse.Namespace, summary: dict[str, Any]) -> bool:
     return args.status is None or summary.get("status") == args.status
 
 
-def render(args: argparse.Namespace, entry_id: str, fields: dict[bytes, bytes]) -> str | None:
+def _payload_fields(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """A dead letter's original fields, or the entry's own."""
+    if b"orig_d" in fields:
+        return {k[len(b"orig_"):]: v for k, v in fields.items() if k.startswith(b"orig_")}
+    return fields
+
+
+def _decoded(args: argparse.Namespace, fields: dict[bytes, bytes], tok: TokenDecoder) -> dict[str, Any]:
+    msg = decode_entry(_payload_fields(fields))
+    if isinstance(msg, DecodeError):
+        return {"error": f"undecodable: {msg}"}
+    return decode_sequence(msg, tok, args.seq, top=args.top, all_positions=args.all_positions)
+
+
+def render(args: argparse.Namespace, entry_id: str, fields: dict[bytes, bytes],
+           tokenizer: TokenDecoder | None = None) -> str | None:
     summary = summarize_entry(entry_id, fields)
     if not _matches(args, summary):
         return None
+    if tokenizer is not None and args.format == "summary":
+        decoded = _decoded(args, fields, tokenizer)
+        if args.json:
+            return json.dumps({**summary, "decoded": decoded}, ensure_ascii=False)
+        return "\n".join([one_line(summary), *format_decoded(decoded)])
     if args.format == "atropos":
         msg: Message | DecodeError = decode_entry(fields)
         if isinstance(msg, RolloutGroup | ScoredGroup):
@@ -50,12 +81,30 @@ def render(args: argparse.Namespace, entry_id: str, fields: dict[bytes, bytes]) 
     return json.dumps(summary) if args.json else one_line(summary)
 
 
-async def tail(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> int:
+def load_tokenizer(path: str | None) -> TokenDecoder | str:
+    """A tokenizer from a local path, or why there is none."""
+    if not path:
+        return "--decode needs --tokenizer PATH or $DISTILLQ_TOKENIZER"
+    if not Path(path).exists():
+        return f"tokenizer path {path!r} does not exist (local paths only; nothing is downloaded)"
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return "--decode needs transformers (pip install 'distillq[hf]')"
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        return f"cannot load a tokenizer from {path!r}: {e}"
+    return cast(TokenDecoder, tok)
+
+
+async def tail(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace,
+               tokenizer: TokenDecoder | None = None) -> int:
     key = keys.stream(args.stream)
     entries = await redis.xrevrange(key, count=args.count) if args.count > 0 else []
     last = "$"
     for eid, fields in reversed(entries):
-        out = render(args, eid.decode(), fields)
+        out = render(args, eid.decode(), fields, tokenizer)
         if out is not None:
             print(out, flush=True)
         last = eid.decode()
@@ -66,15 +115,25 @@ async def tail(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> i
         for _stream, items in resp or ():
             for eid, fields in items:
                 last = eid.decode()
-                out = render(args, last, fields)
+                out = render(args, last, fields, tokenizer)
                 if out is not None:
                     print(out, flush=True)
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
+    tokenizer: TokenDecoder | None = None
+    if args.decode:
+        if args.format != "summary":
+            print("tail: --decode applies to --format summary only", file=sys.stderr)
+            return 2
+        loaded = load_tokenizer(args.tokenizer or env_default("TOKENIZER"))
+        if isinstance(loaded, str):
+            print(f"tail: {loaded}", file=sys.stderr)
+            return 2
+        tokenizer = loaded
     try:
-        return run(with_redis(args, lambda r, k: tail(r, k, args)))
+        return run(with_redis(args, lambda r, k: tail(r, k, args, tokenizer)))
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:

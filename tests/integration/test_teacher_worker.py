@@ -4,6 +4,7 @@ against an independent transformers computation."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -116,5 +117,9 @@ def test_teacher_check_reflects_heartbeat(redis_url: str, keys: Keys) -> None:
     r = redis.Redis.from_url(redis_url)
     import time
 
-    r.set(keys.heartbeat("teacher", "w1"), json.dumps({"ts": time.time(), "pid": 1}), px=5000)
-    assert main(["worker", "teacher", "--check", "--redis-url", redis_url, "--namespace", keys.namespace]) == 0
+    r.set(keys.heartbeat("teacher", "w1"), json.dumps({"ts": time.time(), "pid": 1, "host": "elsewhere"}), px=5000)
+    args = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    assert main(["worker", "teacher", "--check", *args]) == 1  # another host's worker: not this container's
+    assert main(["worker", "teacher", "--check", "--any-host", *args]) == 0
+    r.set(keys.heartbeat("teacher", "w2"), json.dumps({"ts": time.time(), "host": socket.gethostname()}), px=5000)
+    assert main(["worker", "teacher", "--check", *args]) == 0

