@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +56,7 @@ class Pending:
     entry_id: str
     group: ScoredGroup
     arrived: float = field(default_factory=time.monotonic)
+    ref: Any = None  # the transport's handle for acknowledging the entry (a Delivery)
 
     @property
     def tokens(self) -> int:
@@ -152,6 +153,7 @@ class BuiltBatch:
     batch: TrainBatch
     observed_kl: float | None  # mean (student - teacher) sampled-token logprob; None without teacher data
     entry_ids: list[str]
+    refs: list[Any]
 
 
 def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: BatchingConfig) -> BuiltBatch:
@@ -185,4 +187,4 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
         batch_id=uuid.uuid4().hex, groups=[p.group for p in items], advantages=advantages, kl_coef=kl_coef,
         policy_version=policy_version, created_at=time.time(), stats=stats,
     )
-    return BuiltBatch(batch, observed, [p.entry_id for p in items])
+    return BuiltBatch(batch, observed, [p.entry_id for p in items], [p.ref for p in items])

@@ -15,6 +15,7 @@ class RedisSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "distillq"
+    jobs_redis_url: str | None = None  # rollout job queue (arq); default redis_url; arq needs a non-cluster Redis
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -23,8 +24,8 @@ class RedisSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        if not v.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ValueError("redis_url must start with redis://, rediss://, unix:// or redis+cluster://")
         return v
 
 

@@ -6,20 +6,21 @@ import asyncio
 import random
 import re
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError
+from redis.exceptions import BusyLoadingError, ClusterDownError, MasterDownError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.config import RedisSettings
 
 T = TypeVar("T")
-#: Errors that mean "Redis is away"; callers back off and retry, they do not crash.
-TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
+#: Errors that mean "Redis is away" (or a cluster master is failing over); callers back off and retry.
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, TryAgainError,
+             MasterDownError, ConnectionError, OSError)
 _PASSWORD = re.compile(r"(?P<scheme>[a-z]+://)(?P<user>[^:@/]*)(?::[^@/]*)?@")
 
 
@@ -28,8 +29,44 @@ def mask_url(url: str) -> str:
     return _PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
 
 
+CLUSTER_SCHEME = "redis+cluster://"
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith((CLUSTER_SCHEME, "rediss+cluster://"))
+
+
+def _connect_cluster(settings: RedisSettings, kwargs: dict[str, object]) -> aioredis.Redis:
+    """``redis+cluster://[user:pass@]host:port,host:port`` -> a RedisCluster (same command API)."""
+    from urllib.parse import urlsplit
+
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    tls = settings.redis_url.startswith("rediss+")
+    rest = settings.redis_url.split("://", 1)[1]
+    auth, _, hosts = rest.rpartition("@")
+    hosts = hosts.split("/", 1)[0]
+    nodes = []
+    for hp in hosts.split(","):
+        parts = urlsplit(f"//{hp}")
+        nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
+    user, _, password = auth.partition(":") if auth else ("", "", "")
+    for name in ("health_check_interval", "retry_on_error"):
+        kwargs.pop(name, None)
+    if not tls:
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            kwargs.pop(name, None)
+    client: Any = RedisCluster(startup_nodes=nodes, username=user or None, password=password or None, ssl=tls,
+                               **kwargs)
+    # RedisCluster is not a Redis subclass, but it offers the same API for every command distillq sends
+    # (all multi-key operations stay within one hash slot); tests run the pipeline on a real cluster.
+    return cast(aioredis.Redis, client)
+
+
 def connect(settings: RedisSettings, *, max_connections: int | None = None) -> aioredis.Redis:
-    """A client for ``settings.redis_url``. Responses stay bytes (payloads are binary)."""
+    """A client for ``settings.redis_url`` (``redis+cluster://h:p,h:p`` for Redis Cluster).
+
+    Responses stay bytes (payloads are binary)."""
     kwargs: dict[str, object] = {
         "decode_responses": False,
         "socket_connect_timeout": settings.socket_connect_timeout,
@@ -40,11 +77,13 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
     }
     if max_connections is not None:
         kwargs["max_connections"] = max_connections
-    if settings.redis_url.startswith("rediss://"):
+    if settings.redis_url.startswith(("rediss://", "rediss+cluster://")):
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             value = getattr(settings, name)
             if value:
                 kwargs[name] = value
+    if is_cluster_url(settings.redis_url):
+        return _connect_cluster(settings, kwargs)
     client: aioredis.Redis = aioredis.Redis.from_url(settings.redis_url, **kwargs)  # type: ignore[arg-type]
     return client
 

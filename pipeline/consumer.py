@@ -38,6 +38,7 @@ class Delivery:
     deliveries: int = 1
     reclaimed: bool = False
     received_at: float = field(default_factory=time.time)
+    shard: int = 0  # which shard of a sharded stream it came from
 
     @property
     def payload(self) -> bytes:
@@ -76,10 +77,13 @@ class StreamConsumer:
         stage: str | None = None,
         group: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shard: int | None = None,
+        shards: int = 1,
     ) -> None:
         self.redis, self.keys, self.stream, self.name = redis, keys, stream, name
         self.settings = settings or StreamSettings()
-        self.key = keys.stream(stream)
+        self.shard = shard
+        self.key = keys.stream(stream, shard, shards)
         self.group = group or keys.consumer_group(stream)
         self.stage: str = stage or self.group
         self._clock = clock
@@ -95,8 +99,8 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    async def read(self, count: int, block_ms: int | None = None) -> list[Delivery]:
-        """Up to ``count`` deliveries: reclaimed ones first, then new ones (blocking if none)."""
+    async def read(self, count: int, block_ms: int | None = None, *, block: bool = True) -> list[Delivery]:
+        """Up to ``count`` deliveries: reclaimed ones first, then new ones (blocking if none and ``block``)."""
         if count <= 0:
             return []
         out: list[Delivery] = []
@@ -108,14 +112,14 @@ class StreamConsumer:
             self._last_claim = now
             out += await self.reclaim(count - len(out))
         if len(out) < count:
-            block = None if out else (self.settings.block_ms if block_ms is None else block_ms)
+            wait = None if out or not block else max(1, self.settings.block_ms if block_ms is None else block_ms)
             resp = await self.redis.xreadgroup(
-                self.group, self.name, {self.key: ">"}, count=count - len(out), block=block
+                self.group, self.name, {self.key: ">"}, count=count - len(out), block=wait
             )
             for _stream, entries in resp or ():
                 for eid, fields in entries:
                     if fields is not None:
-                        out.append(Delivery(_entry_id(eid), fields))
+                        out.append(Delivery(_entry_id(eid), fields, shard=self.shard or 0))
                         self.owned.add(out[-1].entry_id)
         if out:
             metrics.CONSUMED.labels(self.stream, "new").inc(sum(not d.reclaimed for d in out))
@@ -131,7 +135,7 @@ class StreamConsumer:
                 seen += 1
                 self._own_cursor = _entry_id(eid)
                 if fields:
-                    d = Delivery(_entry_id(eid), fields, deliveries=2, reclaimed=True)
+                    d = Delivery(_entry_id(eid), fields, deliveries=2, reclaimed=True, shard=self.shard or 0)
                     self.owned.add(d.entry_id)
                     out.append(d)
         if seen < count:
@@ -161,7 +165,7 @@ class StreamConsumer:
             eid = _entry_id(eid_raw)
             if fields is None:
                 continue
-            d = Delivery(eid, fields, deliveries=counts.get(eid, 1) + 1, reclaimed=True)
+            d = Delivery(eid, fields, deliveries=counts.get(eid, 1) + 1, reclaimed=True, shard=self.shard or 0)
             if d.deliveries > s.max_deliveries:
                 await self.dead_letter(d, f"max_deliveries: delivered {d.deliveries} times without success")
             else:
@@ -182,9 +186,9 @@ class StreamConsumer:
         for d in deliveries:
             self.owned.discard(d.entry_id)
 
-    async def ack(self, deliveries: Sequence[Delivery] | Sequence[str]) -> None:
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
         """Acknowledge and delete entries, in one round trip."""
-        ids = [d if isinstance(d, str) else d.entry_id for d in deliveries]
+        ids = [d.entry_id for d in deliveries]
         if not ids:
             return
         async with self.redis.pipeline(transaction=False) as p:
@@ -201,6 +205,7 @@ class StreamConsumer:
             "reason": reason[:2000],
             "source": self.stream,
             "source_id": d.entry_id,
+            "source_shard": d.shard,
             "deliveries": d.deliveries,
             "consumer": self.name,
             "at_ms": int(time.time() * 1000),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -21,11 +22,12 @@ from pipeline import metrics
 from pipeline.batching import BatchingConfig, Pending, admit, build_batch, take_batch
 from pipeline.config import StreamSettings
 from pipeline.connection import TRANSIENT, Backoff, retry_transient
-from pipeline.consumer import Delivery, StreamConsumer
+from pipeline.consumer import Delivery
 from pipeline.keys import Keys
 from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
 from pipeline.producer import AddResult, ProducerStopped, StreamProducer
 from pipeline.runloop import Heartbeat, RunStats, default_consumer_name
+from pipeline.sharding import make_consumer
 from schemas import DecodeError, ScoredGroup, decode
 
 log = structlog.get_logger("distillq.feeder")
@@ -60,12 +62,15 @@ class Feeder:
         *,
         consumer_name: str | None = None,
         max_buffered_groups: int = 1024,
+        shards: int = 1,
+        assigned: Sequence[int] | None = None,
     ) -> None:
         self.redis, self.keys, self.cfg = redis, keys, cfg
         self.settings = s = settings or StreamSettings()
         self.controller = controller
         self.name = consumer_name or default_consumer_name("feeder")
-        self.consumer = StreamConsumer(redis, keys, "scored", self.name, s, stage="feeder")
+        self.consumer = make_consumer(redis, keys, "scored", self.name, s, stage="feeder", shards=shards,
+                                      assigned=assigned)
         self.producer = StreamProducer(redis, keys, "batches", s)
         self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s)
         self.max_buffered = max_buffered_groups
@@ -154,7 +159,7 @@ class Feeder:
             await self.consumer.ack([d])
             self._count(why)
             return
-        self.state.buffer.append(Pending(d.entry_id, g))
+        self.state.buffer.append(Pending(d.entry_id, g, ref=d))
 
     async def _write(self, items: list[Pending], stop: asyncio.Event) -> bool:
         """Write one batch, then ack its groups' entries. False if stopped while waiting for capacity."""
@@ -169,11 +174,11 @@ class Feeder:
                 break
             dup = items.pop(added.duplicate_index)  # already in an earlier batch: never twice
             log.warning("group_already_batched", group_id=dup.group.group_id, batch_entry=added.entry_id)
-            await self.consumer.ack([dup.entry_id])
+            await self.consumer.ack([dup.ref])
             self._count("already_batched")
         if not items:
             return True
-        await retry_transient(lambda: self.consumer.ack(built.entry_ids), deadline_s=60)
+        await retry_transient(lambda: self.consumer.ack(built.refs), deadline_s=60)
         if built.observed_kl is not None:
             self.controller.update(built.observed_kl, n_steps=1)
             await retry_transient(lambda: self.redis.set(self.keys.kl_state, self.controller.to_json()), deadline_s=60)

@@ -22,6 +22,7 @@ from arq.connections import ArqRedis
 from arq.connections import RedisSettings as ArqRedisSettings
 
 from pipeline.config import RedisSettings
+from pipeline.connection import is_cluster_url
 from pipeline.keys import Keys
 
 log = structlog.get_logger("distillq.jobs")
@@ -62,7 +63,11 @@ PROMPT_DECODER = msgspec.json.Decoder(PromptJob)
 
 
 def arq_settings(rs: RedisSettings) -> ArqRedisSettings:
-    settings: ArqRedisSettings = ArqRedisSettings.from_dsn(rs.redis_url)
+    url = rs.jobs_redis_url or rs.redis_url
+    if is_cluster_url(url):
+        raise ValueError("the rollout job queue (arq) cannot use Redis Cluster: set DISTILLQ_JOBS_REDIS_URL "
+                         "to a single Redis (the stage streams stay on the cluster)")
+    settings: ArqRedisSettings = ArqRedisSettings.from_dsn(url)
     return settings
 
 

@@ -27,7 +27,7 @@ import structlog
 
 from pipeline.config import StreamSettings, redis_settings
 from pipeline.connection import connect
-from pipeline.consumer import StreamConsumer
+from pipeline.consumer import Delivery, StreamConsumer
 from pipeline.keys import Keys
 from schemas import DecodeError, Limits, TrainBatch, decode
 
@@ -41,6 +41,7 @@ class LearnerBatch:
     entry_id: str
     batch: TrainBatch
     redelivered: bool
+    delivery: Delivery
 
     @property
     def group_ids(self) -> list[str]:
@@ -96,7 +97,7 @@ class AsyncLearner:
             block = self.settings.block_ms if end is None else max(1, int(1000 * min(1.0, end - loop.time())))
             for d in await self.consumer.read(1, block_ms=block):
                 try:
-                    return LearnerBatch(d.entry_id, decode(d.payload, self.limits, expect=TrainBatch), d.reclaimed)
+                    return LearnerBatch(d.entry_id, decode(d.payload, self.limits, expect=TrainBatch), d.reclaimed, d)
                 except DecodeError as e:
                     await self.consumer.dead_letter(d, f"decode_error: {e}")
             if end is not None and loop.time() >= end:
@@ -109,7 +110,7 @@ class AsyncLearner:
 
     async def ack(self, batch: LearnerBatch) -> None:
         """Call after the optimiser step: the batch will not be delivered again."""
-        await self.consumer.ack([batch.entry_id])
+        await self.consumer.ack([batch.delivery])
 
     async def publish_policy_version(self, version: int) -> None:
         await self.redis.set(self.keys.policy_version, int(version))

@@ -9,6 +9,19 @@ import sys
 import structlog
 
 
+class StderrLogger:
+    """Writes each line to the *current* ``sys.stderr`` (resolved per call, not at configure time)."""
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
+def _stderr_logger(*args: object) -> StderrLogger:
+    return StderrLogger()
+
+
 def configure_logging(level: str | None = None, *, json: bool | None = None) -> None:
     """Configure structlog once per process. ``DISTILLQ_LOG_LEVEL`` / ``DISTILLQ_LOG_JSON`` override."""
     level_name = (level or os.environ.get("DISTILLQ_LOG_LEVEL") or "INFO").upper()
@@ -27,6 +40,6 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level_name]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )

@@ -96,11 +96,13 @@ class StreamProducer:
         settings: StreamSettings | None = None,
         *,
         dedupe: bool = True,
+        shards: int = 1,
     ) -> None:
         self.redis, self.keys, self.stream = redis, keys, stream
         self.settings = settings or StreamSettings()
         self.dedupe = dedupe
-        self.key = keys.stream(stream)
+        self.shards = shards
+        self.key = keys.stream(stream)  # the unsharded key; see keys.stream_for
         self._script = redis.register_script(_ADD)
 
     async def send(self, msg: Message, *, stop: asyncio.Event | None = None) -> Added:
@@ -118,7 +120,10 @@ class StreamProducer:
     ) -> Added:
         s = self.settings
         ids = (dedupe if dedupe is not None else [mid]) if self.dedupe else []
-        keys = [self.key, *(self.keys.seen(self.stream, i) for i in ids)]
+        key = self.keys.stream_for(self.stream, mid, self.shards)
+        if key != self.key and ids != [mid]:
+            raise ValueError("a sharded stream dedupes by the message's own id only")
+        keys = [key, *(self.keys.seen(self.stream, i, self.shards) for i in ids)]
         args: list[bytes | str | int] = [
             s.max_backlog, s.dedupe_ttl_s * 1000, F_TYPE, mtype, F_ID, mid, F_DATA, payload,
         ]

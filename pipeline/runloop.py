@@ -32,9 +32,10 @@ import structlog
 from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.connection import TRANSIENT, Backoff, retry_transient
-from pipeline.consumer import Delivery, StreamConsumer
+from pipeline.consumer import Delivery
 from pipeline.keys import Keys
 from pipeline.producer import ProducerStopped, StreamProducer, message_id
+from pipeline.sharding import make_consumer
 from schemas import DecodeError, Message, decode
 
 log = structlog.get_logger("distillq.runloop")
@@ -132,13 +133,17 @@ class StageRunner(Generic[M]):
         settings: StreamSettings | None = None,
         *,
         consumer_name: str | None = None,
+        shards: int = 1,
+        assigned: Sequence[int] | None = None,
     ) -> None:
         self.redis, self.keys, self.logic, self.input_type = redis, keys, logic, input_type
         self.settings = s = settings or StreamSettings()
         self.stage = logic.name
         self.name = consumer_name or default_consumer_name(self.stage)
-        self.consumer = StreamConsumer(redis, keys, input_stream, self.name, s, stage=self.stage)
-        self.producer = StreamProducer(redis, keys, output_stream, s) if output_stream else None
+        self.consumer = make_consumer(redis, keys, input_stream, self.name, s, stage=self.stage, shards=shards,
+                                      assigned=assigned)
+        self.shards = shards
+        self.producer = StreamProducer(redis, keys, output_stream, s, shards=shards) if output_stream else None
         self.output_stream = output_stream
         self.limits = s.limits()
         self.stats = RunStats()
@@ -280,16 +285,16 @@ class StageRunner(Generic[M]):
         if self.producer is None or not any(d.reclaimed for d in batch):
             return batch
         redo = [d for d in batch if d.reclaimed]
-        keys = [self.keys.seen(self.producer.stream, d.group_id) for d in redo]
+        keys = [self.keys.seen(self.producer.stream, d.group_id, self.shards) for d in redo]
         async with self.redis.pipeline(transaction=False) as p:
             for k in keys:
                 p.exists(k)
             seen = await p.execute()
-        done = {d.entry_id for d, s in zip(redo, seen, strict=True) if s}
+        done = [d for d, s in zip(redo, seen, strict=True) if s]
         if done:
-            await self.consumer.ack(list(done))
+            await self.consumer.ack(done)
             self._count("already_emitted", len(done))
-        return [d for d in batch if d.entry_id not in done]
+        return [d for d in batch if all(d is not x for x in done)]
 
     async def _apply(self, good: list[tuple[Delivery, M]], outcomes: Sequence[Outcome], stop: asyncio.Event) -> None:
         acks: list[Delivery] = []

@@ -20,6 +20,7 @@ from pipeline.config import StreamSettings, redis_settings
 from pipeline.connection import connect
 from pipeline.keys import Keys
 from pipeline.producer import Added, StreamProducer
+from pipeline.sharding import get_shards
 from schemas import Limits, RolloutGroup, ScoredGroup
 from schemas.atropos import rollout_from_atropos
 from schemas.validate import validate
@@ -41,10 +42,15 @@ class AsyncGroupProducer:
         self.settings = settings or StreamSettings()
         self.producer = StreamProducer(self.redis, Keys(rs.namespace), stream, self.settings)
         self.limits: Limits = self.settings.limits()
+        self._keys = Keys(rs.namespace)
+        self._shards_known = False
 
     async def push(self, group: RolloutGroup) -> Added:
         """Validate and add one group (raises ``schemas.DecodeError`` naming the bad field)."""
         validate(group, self.limits)
+        if not self._shards_known:
+            self.producer.shards = await get_shards(self.redis, self._keys)
+            self._shards_known = True
         return await self.producer.send(group)
 
     async def push_atropos(self, obj: dict[str, Any], *, policy_version: int = 0) -> Added:

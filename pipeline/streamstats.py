@@ -20,7 +20,8 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from pipeline.keys import CONSUMER_GROUPS, Keys
+from pipeline.keys import CONSUMER_GROUPS, SHARDABLE, Keys
+from pipeline.sharding import get_shards
 
 #: Most ids counted in the throughput window (the count runs inside Redis, no payload is sent).
 WINDOW_CAP: Final = 100_000
@@ -208,10 +209,11 @@ async def _group(redis: aioredis.Redis, key: str, g: GroupStats, now: float) -> 
 
 
 async def stream_stats(
-    redis: aioredis.Redis, keys: Keys, name: str, now: float, *, window_s: float = 60.0, cap: int = WINDOW_CAP
+    redis: aioredis.Redis, keys: Keys, name: str, now: float, *, window_s: float = 60.0, cap: int = WINDOW_CAP,
+    shard: int | None = None, shards: int = 1,
 ) -> StreamStats:
-    key = keys.stream(name)
-    s = StreamStats(name=name, key=key, window_s=window_s)
+    key = keys.stream(name, shard, shards)
+    s = StreamStats(name=name if shard is None else f"{name}:{shard}", key=key, window_s=window_s)
     since = f"{max(0, int((now - window_s) * 1000))}-0"
     script = redis.register_script(_STREAM_INFO)
     exists, added, last, in_window = await script(keys=[key], args=[since, cap])
@@ -237,9 +239,36 @@ async def workers(redis: aioredis.Redis, keys: Keys, now: float) -> list[WorkerS
     names = sorted({_str(k) async for k in redis.scan_iter(match=keys.heartbeat_pattern(), count=500)})
     if not names:
         return []
-    values = await redis.mget(names)
+    async with redis.pipeline(transaction=False) as p:  # not MGET: heartbeats span slots on a cluster
+        for n in names:
+            p.get(n)
+        values = await p.execute()
     found = (parse_heartbeat(keys, n, v, now) for n, v in zip(names, values, strict=True))
     return [w for w in found if w is not None]
+
+
+def total_of(name: str, parts: list[StreamStats]) -> StreamStats:
+    """One row summing the shards of a stream (groups merged by name)."""
+    t = StreamStats(name=name, key=f"({len(parts)} shards)", window_s=parts[0].window_s)
+    t.exists = any(p.exists for p in parts)
+    t.length = sum(p.length for p in parts)
+    t.memory_bytes = sum(p.memory_bytes for p in parts)
+    t.entries_added = sum(p.entries_added for p in parts)
+    t.added_in_window = sum(p.added_in_window for p in parts)
+    t.window_capped = any(p.window_capped for p in parts)
+    merged: dict[str, GroupStats] = {}
+    for p in parts:
+        for g in p.groups:
+            m = merged.setdefault(g.name, GroupStats(name=g.name, lag=0))
+            m.lag = (m.lag or 0) + (g.lag or 0)
+            m.pending += g.pending
+            m.exists = m.exists or g.exists
+            m.consumers = max(m.consumers, g.consumers)
+            ages = [a for a in (m.oldest_pending_age_s, g.oldest_pending_age_s) if a is not None]
+            m.oldest_pending_age_s = max(ages) if ages else None
+            m.consumer_list += g.consumer_list
+    t.groups = list(merged.values())
+    return t
 
 
 async def collect(
@@ -247,7 +276,16 @@ async def collect(
 ) -> Snapshot:
     """One snapshot of ``streams`` (short names), the DLQ length and the live workers."""
     now = await server_time(redis)
-    out = {n: await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap) for n in streams}
+    shards = await get_shards(redis, keys)
+    out: dict[str, StreamStats] = {}
+    for n in streams:
+        if shards > 1 and n in SHARDABLE:
+            parts = [await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap, shard=i, shards=shards)
+                     for i in range(shards)]
+            out[n] = total_of(n, parts)
+            out.update((p.name, p) for p in parts)
+        else:
+            out[n] = await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap)
     dead = out["dlq"].length if "dlq" in out else int(await redis.xlen(keys.dlq))
     return Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
                     workers=await workers(redis, keys, now))

@@ -83,7 +83,11 @@ async def check_health(
             return False, f"no {stage} worker heartbeat under namespace {keys.namespace!r}"
         now = time.time()
         fresh = []
-        for raw in await redis.mget(names):
+        async with redis.pipeline(transaction=False) as p:  # not MGET: heartbeats span slots on a cluster
+            for name in names:
+                p.get(name)
+            values = await p.execute()
+        for raw in values:
             if raw is None:
                 continue
             info = json.loads(raw)

@@ -16,6 +16,7 @@ from pipeline.cli.common import add_redis_args, redis_settings
 from pipeline.config import StreamSettings
 from pipeline.keys import Keys
 from pipeline.logs import configure_logging
+from pipeline.sharding import get_shards, parse_assigned
 from pipeline.worker_main import check_health, run_worker
 
 Serve = Callable[[argparse.Namespace, aioredis.Redis, Keys, asyncio.Event], Awaitable[Any]]
@@ -38,6 +39,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--consumer-name", default=env("CONSUMER_NAME"), help="stable consumer name (default: host-pid)")
     p.add_argument("--max-in-flight", type=int, default=None, help="messages handled at once")
     p.add_argument("--read-count", type=int, default=None, help="entries per read")
+    p.add_argument("--shards", default=env("SHARDS"),
+                   help="read only these shards of a sharded input stream, e.g. 0,2 (default: all)")
+
+
+async def shard_plan(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys) -> tuple[int, list[int]]:
+    """The pipeline's shard count (from Redis, shared by all workers) and the shards this worker reads."""
+    shards = await get_shards(redis, keys)
+    return shards, parse_assigned(getattr(args, "shards", None), shards)
 
 
 def stream_settings(args: argparse.Namespace, **overrides: Any) -> StreamSettings:

@@ -12,7 +12,7 @@ from pipeline.batching import BatchingConfig
 from pipeline.feeder import Feeder
 from pipeline.keys import Keys
 from pipeline.kl_control import AdaptiveKL, ConstantKL
-from workers.common import add_common_args, env, run_stage, standalone, stream_settings
+from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +43,9 @@ def config(args: argparse.Namespace) -> BatchingConfig:
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
     ctl = (AdaptiveKL(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target is not None
            else ConstantKL(args.kl_coef))
+    shards, assigned = await shard_plan(args, redis, keys)
     feeder = Feeder(redis, keys, config(args), ctl, stream_settings(args), consumer_name=args.consumer_name,
-                    max_buffered_groups=args.max_buffered_groups)
+                    max_buffered_groups=args.max_buffered_groups, shards=shards, assigned=assigned)
     await feeder.run(stop, burst=args.burst)
 
 

@@ -20,7 +20,7 @@ from pipeline.rollout.rewards import get_reward, reward_names
 from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.student_base import GenParams, StudentBackend
 from pipeline.runloop import Heartbeat, RunStats, default_consumer_name
-from workers.common import add_common_args, env, run_stage, standalone, stream_settings
+from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
 
 log = structlog.get_logger("distillq.rollout")
 
@@ -63,7 +63,8 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     backend = make_backend(args)
     reward = get_reward(args.reward)
     params = GenParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-    producer = StreamProducer(redis, keys, "rollouts", stream_settings(args))
+    shards, _ = await shard_plan(args, redis, keys)
+    producer = StreamProducer(redis, keys, "rollouts", stream_settings(args), shards=shards)
     name = args.consumer_name or default_consumer_name("rollout")
     stats, job_stats = RunStats(), JobStats()
 

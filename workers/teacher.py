@@ -15,7 +15,7 @@ from pipeline.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import TeacherBackend, TeacherConfigError
 from pipeline.teacher_stage import TeacherStage
 from schemas import RolloutGroup
-from workers.common import add_common_args, env, run_stage, standalone, stream_settings
+from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
 
 log = structlog.get_logger("distillq.teacher")
 
@@ -99,8 +99,10 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     backend, scorer = await prepare(args)
     try:
         s = stream_settings(args)
+        shards, assigned = await shard_plan(args, redis, keys)
         runner = StageRunner(redis, keys, TeacherStage(scorer, drops_to_dlq=args.on_drop == "dlq"), RolloutGroup,
-                             "rollouts", "scored", s, consumer_name=args.consumer_name)
+                             "rollouts", "scored", s, consumer_name=args.consumer_name, shards=shards,
+                             assigned=assigned)
         await runner.run(stop, burst=args.burst)
     finally:
         await backend.close()

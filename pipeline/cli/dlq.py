@@ -24,6 +24,7 @@ from pipeline.config import StreamSettings
 from pipeline.inspect import one_line, summarize_entry, summarize_message
 from pipeline.keys import Keys
 from pipeline.producer import F_DATA, BackpressureTimeout, StreamProducer, message_id, message_type
+from pipeline.sharding import get_shards
 from pipeline.streamstats import server_time
 from schemas import DecodeError, Limits, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
 
@@ -175,7 +176,7 @@ async def replay_one(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: d
         return ReplayResult(entry_id, False, checked)
     target, msg = checked
     gid = message_id(msg)
-    producer = StreamProducer(redis, keys, target, settings, dedupe=False)
+    producer = StreamProducer(redis, keys, target, settings, dedupe=False, shards=await get_shards(redis, keys))
     added = await producer.send_raw(fields[ORIG + F_DATA], message_type(msg), gid)
     await redis.xdel(keys.dlq, entry_id)  # only after the write succeeded
     return ReplayResult(entry_id, True, f"-> {target} {added.entry_id} (group {gid})")

@@ -10,12 +10,12 @@ from pipeline.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipeline.cli import demo, dlq, enqueue, push, stats, tail, up, worker
+    from pipeline.cli import demo, dlq, enqueue, push, shards, stats, tail, up, worker
 
     parser = argparse.ArgumentParser(prog="distillq", description="Redis-streams pipeline for on-policy distillation")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, enqueue, push, tail, up, worker, stats, dlq):
+    for module in (demo, enqueue, push, tail, up, worker, stats, dlq, shards):
         module.add_parser(sub)
     return parser
 

@@ -18,6 +18,7 @@ from pipeline.cli.common import add_redis_args, run, stream_name, with_redis
 from pipeline.config import StreamSettings
 from pipeline.keys import Keys
 from pipeline.producer import AddResult, StreamProducer
+from pipeline.sharding import get_shards
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
 from schemas.atropos import rollout_from_atropos
 
@@ -63,7 +64,7 @@ def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list
 
 
 async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Message]) -> tuple[int, int]:
-    producer = StreamProducer(redis, keys, stream, StreamSettings())
+    producer = StreamProducer(redis, keys, stream, StreamSettings(), shards=await get_shards(redis, keys))
     added = dup = 0
     for m in msgs:
         res = await producer.send(m)

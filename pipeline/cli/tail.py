@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from pipeline.cli.common import add_redis_args, env_default, run, stream_name, with_redis
 from pipeline.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
 from pipeline.keys import Keys
+from pipeline.sharding import get_shards
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
 from schemas.atropos import to_atropos
 
@@ -100,25 +101,34 @@ def load_tokenizer(path: str | None) -> TokenDecoder | str:
 
 async def tail(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace,
                tokenizer: TokenDecoder | None = None) -> int:
-    key = keys.stream(args.stream)
-    entries = await redis.xrevrange(key, count=args.count) if args.count > 0 else []
-    last = "$"
-    for eid, fields in reversed(entries):
-        out = render(args, eid.decode(), fields, tokenizer)
-        if out is not None:
-            print(out, flush=True)
-        last = eid.decode()
-    if entries:
-        last = entries[0][0].decode()
+    stream_keys = keys.streams(args.stream, await get_shards(redis, keys))
+    entries: list[tuple[tuple[int, int], str, dict[bytes, bytes]]] = []
+    last: dict[str, str] = {}
+    for key in stream_keys:  # the newest N over all shards, merged by entry id
+        rows = await redis.xrevrange(key, count=args.count) if args.count > 0 else []
+        entries += [(_order(eid.decode()), eid.decode(), fields) for eid, fields in rows]
+        last[key] = rows[0][0].decode() if rows else "$"
+    for _, eid, fields in sorted(entries, key=lambda e: e[0])[-args.count :] if args.count > 0 else []:
+        _print(render(args, eid, fields, tokenizer))
+    block = max(10, 1000 // len(stream_keys))
     while args.follow:
-        resp = await redis.xread({key: last}, block=1000, count=100)
-        for _stream, items in resp or ():
-            for eid, fields in items:
-                last = eid.decode()
-                out = render(args, last, fields, tokenizer)
-                if out is not None:
-                    print(out, flush=True)
+        for key in stream_keys:  # one key per XREAD: shards live in different hash slots
+            resp = await redis.xread({key: last[key]}, block=block, count=100)
+            for _stream, items in resp or ():
+                for eid, fields in items:
+                    last[key] = eid.decode()
+                    _print(render(args, last[key], fields, tokenizer))
     return 0
+
+
+def _order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _print(line: str | None) -> None:
+    if line is not None:
+        print(line, flush=True)
 
 
 def main(args: argparse.Namespace) -> int:

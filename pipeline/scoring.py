@@ -1,0 +1,270 @@
+"""Teacher scoring stage logic (no Redis): rollout groups in, scored groups out, same order.
+
+Rules (the reference system's, made explicit):
+
+* ``group.discard`` -> SKIPPED ``discarded``; never sent to the teacher.
+* ``group_overrides.skip_teacher_top_k`` true -> SKIPPED ``skip_teacher_top_k``.
+* k = ``group_overrides.teacher_top_k`` if present (below 1 raised to 1), else ``default_k``. Above the
+  teacher's cap: ``k_over_cap="clamp"`` uses the cap (recorded in ``ScoredGroup.k``), ``"drop"`` drops
+  the group's payload with reason ``k_over_cap: ...``.
+* Sequences of all groups are packed into backend calls of at most ``max_batch_tokens`` padded tokens.
+  Retryable failures are retried (bounded, exponential backoff with a cap); if any sequence of a group
+  still fails, or comes back misaligned, the whole group is DROPPED with the reason and no payload, and
+  is still returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from pipeline.teacher.base import (
+    K_OVER_CAP,
+    MISALIGNED,
+    ScoreFailure,
+    ScoreOutcome,
+    ScoreRequest,
+    ScoreResult,
+    TeacherBackend,
+    result_problem,
+)
+from schemas.arrays import Array
+from schemas.build import make_teacher
+from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
+
+log = structlog.get_logger(__name__)
+
+SKIP_REASON = "skip_teacher_top_k"
+DISCARD_REASON = "discarded"
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringConfig:
+    """How the scoring stage calls its teacher."""
+
+    default_k: int = 20
+    max_batch_tokens: int = 16384  # padded tokens (rows x longest) per backend call
+    retries: int = 3  # extra attempts for retryable failures
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 8.0
+    k_over_cap: Literal["clamp", "drop"] = "clamp"
+    fp16_topk: bool = False  # store top-k logprobs as float16 on the wire
+    concurrent_calls: int = 1  # backend calls in flight at once (raise for HTTP teachers)
+
+    def __post_init__(self) -> None:
+        if self.default_k < 1:
+            raise ValueError("default_k must be >= 1")
+        if self.max_batch_tokens < 1 or self.retries < 0 or self.concurrent_calls < 1:
+            raise ValueError("max_batch_tokens and concurrent_calls must be >= 1, retries >= 0")
+        if self.k_over_cap not in ("clamp", "drop"):
+            raise ValueError(f"k_over_cap must be 'clamp' or 'drop', got {self.k_over_cap!r}")
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before retry number ``attempt`` (1-based)."""
+        return float(min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (attempt - 1)))
+
+
+@dataclass
+class ScoringStats:
+    """Outcome counters; the worker exports them as metrics. Reasons are counted by their category
+    (the text before the first ':'), so the label set stays small."""
+
+    groups: Counter[str] = field(default_factory=Counter)  # by DistillStatus value
+    reasons: Counter[str] = field(default_factory=Counter)  # by reason category
+    sequences_scored: int = 0
+    tokens_scored: int = 0
+    teacher_calls: int = 0
+    retries: int = 0
+    clamped_groups: int = 0
+    latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    latency_hooks: list[Callable[[float], None]] = field(default_factory=list)
+
+    def observe_latency(self, seconds: float) -> None:
+        self.latencies_s.append(seconds)
+        for hook in self.latency_hooks:
+            hook(seconds)
+
+    def count(self, status: DistillStatus, reason: str | None) -> None:
+        self.groups[status.value] += 1
+        if reason:
+            self.reasons[reason.split(":", 1)[0]] += 1
+
+
+@dataclass
+class _Item:
+    """One sequence awaiting the teacher."""
+
+    group: int
+    seq: int
+    req: ScoreRequest
+
+
+def pack(items: list[_Item], max_batch_tokens: int) -> list[list[_Item]]:
+    """Items sorted longest first, cut into calls of at most ``max_batch_tokens`` padded tokens."""
+    calls: list[list[_Item]] = []
+    cur: list[_Item] = []
+    for it in sorted(items, key=lambda i: -int(i.req.tokens.shape[0])):
+        if cur and (len(cur) + 1) * int(cur[0].req.tokens.shape[0]) > max_batch_tokens:
+            calls.append(cur)
+            cur = []
+        cur.append(it)
+    if cur:
+        calls.append(cur)
+    return calls
+
+
+def _request(tokens: Array, k: int) -> ScoreRequest:
+    arr: npt.NDArray[np.int32] = tokens.numpy().astype(np.int32, copy=False)
+    return ScoreRequest(arr, k)
+
+
+def _failure_reason(f: ScoreFailure) -> str:
+    if f.reason.startswith((MISALIGNED, K_OVER_CAP)):
+        return f.reason
+    return f"teacher_error: {f.reason}"
+
+
+class Scorer:
+    """Scores rollout groups with a ``TeacherBackend`` (started by the caller)."""
+
+    def __init__(
+        self,
+        backend: TeacherBackend,
+        config: ScoringConfig | None = None,
+        *,
+        stats: ScoringStats | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.config = config or ScoringConfig()
+        self.stats = stats or ScoringStats()
+        self._sleep = sleep
+        self._clock = clock
+
+    def group_k(self, group: RolloutGroup) -> tuple[int, str | None]:
+        """``(k, None)`` with the k to use for ``group``, or ``(k, reason)`` when it must be dropped."""
+        raw = group.overrides.get("teacher_top_k")
+        if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool)):
+            return 0, f"bad_override: teacher_top_k={raw!r} is not an integer"
+        k = self.config.default_k if raw is None else max(1, raw)
+        cap = self.backend.max_k
+        if 1 <= cap < k:  # cap 0: backend not started; it refuses the requests itself
+            if self.config.k_over_cap == "drop":
+                return k, f"{K_OVER_CAP}: requested k={k} above the teacher cap {cap}"
+            self.stats.clamped_groups += 1
+            k = cap
+        return k, None
+
+    async def score_groups(self, groups: list[RolloutGroup]) -> list[ScoredGroup]:
+        """Score ``groups``; one ``ScoredGroup`` per input, same order. Never raises for a teacher error."""
+        ks: list[int] = [0] * len(groups)
+        done: dict[int, tuple[DistillStatus, str]] = {}
+        items: list[_Item] = []
+        for g, group in enumerate(groups):
+            if group.discard:
+                done[g] = (DistillStatus.SKIPPED, DISCARD_REASON)
+            elif group.overrides.get(SKIP_REASON):
+                done[g] = (DistillStatus.SKIPPED, SKIP_REASON)
+            else:
+                ks[g], drop = self.group_k(group)
+                if drop is not None:
+                    done[g] = (DistillStatus.DROPPED, drop)
+                    continue
+                items += [_Item(g, s, _request(seq.tokens, ks[g])) for s, seq in enumerate(group.sequences)]
+        results = await self._score_items(items, done)
+        payloads: dict[int, list[TeacherPayload]] = {}
+        fp16 = self.config.fp16_topk
+        for it in items:
+            if it.group in done:
+                continue
+            res = results[(it.group, it.seq)]
+            payloads.setdefault(it.group, []).append(
+                make_teacher(res.topk_ids, res.topk_logprobs, res.sampled_logprobs, fp16=fp16)
+            )
+        return [self._finish(g, group, ks[g], done.get(g), payloads.get(g)) for g, group in enumerate(groups)]
+
+    def _finish(
+        self,
+        g: int,
+        group: RolloutGroup,
+        k: int,
+        outcome: tuple[DistillStatus, str] | None,
+        payload: list[TeacherPayload] | None,
+    ) -> ScoredGroup:
+        now = self._clock()
+        ident = self.backend.identity
+        if outcome is None:
+            assert payload is not None and len(payload) == len(group.sequences)
+            self.stats.count(DistillStatus.OK, None)
+            self.stats.sequences_scored += len(payload)
+            self.stats.tokens_scored += group.num_tokens
+            return ScoredGroup(
+                group=group, status=DistillStatus.OK, teacher=payload, k=k, teacher_id=ident, scored_at=now
+            )
+        status, reason = outcome
+        self.stats.count(status, reason)
+        if status is DistillStatus.DROPPED:
+            log.warning("teacher_payload_dropped", group_id=group.group_id, reason=reason)
+        return ScoredGroup(group=group, status=status, reason=reason, k=k, teacher_id=ident, scored_at=now)
+
+    async def _score_items(
+        self, items: list[_Item], done: dict[int, tuple[DistillStatus, str]]
+    ) -> dict[tuple[int, int], ScoreResult]:
+        """Results by (group, seq); groups that fail are added to ``done`` as DROPPED."""
+        results: dict[tuple[int, int], ScoreResult] = {}
+        pending = items
+        for attempt in range(self.config.retries + 1):
+            if attempt:
+                self.stats.retries += len(pending)
+                await self._sleep(self.config.backoff(attempt))
+            retry: list[_Item] = []
+            for it, out in await self._run_calls(pending):
+                if it.group in done:
+                    continue
+                if isinstance(out, ScoreResult):
+                    problem = result_problem(it.req, out)
+                    if problem is None:
+                        results[(it.group, it.seq)] = out
+                        continue
+                    fail = ScoreFailure(problem, retryable=False)
+                else:
+                    fail = out
+                if fail.retryable and attempt < self.config.retries:
+                    retry.append(it)
+                else:
+                    done[it.group] = (DistillStatus.DROPPED, f"{_failure_reason(fail)} (sequence {it.seq})")
+            pending = [it for it in retry if it.group not in done]
+            if not pending:
+                break
+        return results
+
+    async def _run_calls(self, items: list[_Item]) -> list[tuple[_Item, ScoreOutcome]]:
+        sem = asyncio.Semaphore(self.config.concurrent_calls)
+
+        async def call(batch: list[_Item]) -> list[tuple[_Item, ScoreOutcome]]:
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    outs = await self.backend.score([it.req for it in batch])
+                except Exception as e:  # a backend bug or outage must not kill the stage
+                    log.exception("teacher_call_failed", sequences=len(batch))
+                    outs = [ScoreFailure(f"{type(e).__name__}: {e}", retryable=True)] * len(batch)
+                self.stats.teacher_calls += 1
+                self.stats.observe_latency(time.perf_counter() - t0)
+            if len(outs) != len(batch):
+                outs = [ScoreFailure(f"{MISALIGNED}: {len(outs)} results for {len(batch)} requests", False)] * len(
+                    batch
+                )
+            return list(zip(batch, outs, strict=True))
+
+        done = await asyncio.gather(*(call(b) for b in pack(items, self.config.max_batch_tokens)))
+        return [pair for batch in done for pair in batch]

@@ -1,0 +1,92 @@
+"""Teacher backend protocol and the request/result types every backend speaks.
+
+Results use distillq's logits-aligned convention (see ``schemas.messages``): for a request of ``L``
+tokens, row ``r`` of a result is the teacher distribution of token ``r + 1`` given ``tokens[:r + 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+#: Failure reasons that mean "the answer is wrong", not "the teacher is down".
+MISALIGNED = "misaligned"
+K_OVER_CAP = "k_over_cap"
+
+
+class TeacherConfigError(RuntimeError):
+    """The teacher cannot serve this configuration (e.g. k above the server's cap); do not start."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """One sequence to score: ``tokens`` int32 ``[L]``, ``k`` top-k entries per row."""
+
+    tokens: npt.NDArray[np.int32]
+    k: int
+
+    @property
+    def rows(self) -> int:
+        return max(int(self.tokens.shape[0]) - 1, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreResult:
+    """Teacher view of one sequence: ``[L-1, k]`` top-k ids and logprobs (sorted desc), ``[L-1]`` sampled."""
+
+    topk_ids: npt.NDArray[np.int32]
+    topk_logprobs: npt.NDArray[np.float32]
+    sampled_logprobs: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreFailure:
+    """A request that produced no result. ``retryable``: timeouts, 5xx, lost connections."""
+
+    reason: str
+    retryable: bool
+
+
+ScoreOutcome = ScoreResult | ScoreFailure
+
+
+class TeacherBackend(Protocol):
+    """A teacher model behind some transport. ``score`` returns one outcome per request, in order,
+    and reports per-request problems as ``ScoreFailure`` instead of raising."""
+
+    @property
+    def identity(self) -> str: ...
+
+    @property
+    def max_k(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]: ...
+
+
+def result_problem(req: ScoreRequest, res: ScoreResult) -> str | None:
+    """Why ``res`` cannot be the answer to ``req`` (a ``misaligned: ...`` reason), or ``None``."""
+    rows, k = req.rows, req.k
+    ids, lps, sampled = res.topk_ids, res.topk_logprobs, res.sampled_logprobs
+    if ids.shape != (rows, k) or lps.shape != (rows, k):
+        return f"{MISALIGNED}: top-k shapes {ids.shape}/{lps.shape}, expected {(rows, k)}"
+    if sampled.shape != (rows,):
+        return f"{MISALIGNED}: sampled shape {sampled.shape}, expected {(rows,)}"
+    if not (np.isfinite(lps).all() and np.isfinite(sampled).all()):
+        return f"{MISALIGNED}: non-finite logprobs"
+    if ids.size and int(ids.min()) < 0:
+        return f"{MISALIGNED}: negative token id"
+    if k > 1 and rows and bool((np.diff(lps, axis=1) > 0).any()):
+        return f"{MISALIGNED}: top-k rows not sorted descending"
+    return None
+
+
+def empty_result(k: int) -> ScoreResult:
+    """The result for a one-token sequence: no rows."""
+    return ScoreResult(np.zeros((0, k), np.int32), np.zeros((0, k), np.float32), np.zeros(0, np.float32))

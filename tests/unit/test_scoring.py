@@ -1,0 +1,283 @@
+"""Scoring stage rules with a recording fake teacher: k overrides, skip/discard, drops, retries, packing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import structlog
+
+from pipeline.scoring import Scorer, ScoringConfig, ScoringStats, pack
+from pipeline.teacher.base import ScoreFailure, ScoreOutcome, ScoreRequest, ScoreResult
+from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup, decode, encode
+from schemas.build import make_sequence
+
+VOCAB = 1000
+Behaviour = Callable[[ScoreRequest], ScoreOutcome | None]
+
+
+def good(req: ScoreRequest) -> ScoreResult:
+    """A valid result: the prompt token first in every row, logprobs strictly decreasing."""
+    tok = req.tokens.astype(np.int64)
+    rows, k = req.rows, req.k
+    ids = ((tok[1:, None] + np.arange(k)[None, :]) % VOCAB).astype(np.int32)
+    lps = np.tile(-0.1 - 0.5 * np.arange(k, dtype=np.float32), (rows, 1)) - (tok[1:, None] % 7).astype(np.float32)
+    return ScoreResult(ids, lps.astype(np.float32), lps[:, 0].astype(np.float32).copy())
+
+
+class FakeTeacher:
+    """Records every call; ``rules`` map a sequence's first token to a behaviour (None = good)."""
+
+    identity = "fake-teacher"
+
+    def __init__(self, max_k: int = 64, rules: dict[int, Behaviour] | None = None) -> None:
+        self.max_k = max_k
+        self.rules = rules or {}
+        self.calls: list[list[ScoreRequest]] = []
+        self.raise_next = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]:
+        self.calls.append(list(reqs))
+        if self.raise_next:
+            self.raise_next -= 1
+            raise RuntimeError("backend exploded")
+        out: list[ScoreOutcome] = []
+        for r in reqs:
+            rule = self.rules.get(int(r.tokens[0]))
+            res = rule(r) if rule else None
+            out.append(res if res is not None else good(r))
+        return out
+
+    def sent_first_tokens(self) -> list[int]:
+        return [int(r.tokens[0]) for call in self.calls for r in call]
+
+
+def group(first: int, lengths: list[int], gid: str | None = None, **kw: object) -> RolloutGroup:
+    """A group whose sequence i starts with token ``first + i`` (so rules can target it)."""
+    seqs = []
+    for i, n in enumerate(lengths):
+        tok = (np.arange(n) * 13 + 5) % VOCAB
+        tok[0] = first + i
+        mask = np.zeros(n, np.uint8)
+        mask[min(2, n - 1) :] = 1
+        seqs.append(make_sequence(tok, mask))
+    return RolloutGroup(group_id=gid or f"g{first}", sequences=seqs, **kw)  # type: ignore[arg-type]
+
+
+async def run(groups: list[RolloutGroup], teacher: FakeTeacher, **cfg: object) -> tuple[list[ScoredGroup], Scorer]:
+    sleeps: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+
+    scorer = Scorer(teacher, ScoringConfig(**cfg), sleep=fake_sleep)  # type: ignore[arg-type]
+    scorer.sleeps = sleeps  # type: ignore[attr-defined]
+    return await scorer.score_groups(groups), scorer
+
+
+def roundtrip(s: ScoredGroup) -> ScoredGroup:
+    return decode(encode(s), Limits(vocab_size=VOCAB), expect=ScoredGroup)
+
+
+async def test_k_rules_and_payload_shapes() -> None:
+    groups = [
+        group(100, [10, 7]),
+        group(200, [12], group_overrides={"teacher_top_k": 5}),
+        group(300, [9], group_overrides={"teacher_top_k": 0}),
+        group(400, [9], group_overrides={"teacher_top_k": -3}),
+        group(500, [6], group_overrides=None),
+    ]
+    out, _ = await run(groups, FakeTeacher(), default_k=8)
+    assert [s.group_id for s in out] == [g.group_id for g in groups]
+    assert [s.k for s in out] == [8, 5, 1, 1, 8]
+    for s, g in zip(out, groups, strict=True):
+        assert s.status is DistillStatus.OK and s.teacher_id == "fake-teacher" and s.scored_at > 0
+        assert s.teacher is not None and len(s.teacher) == len(g.sequences)
+        for t, seq in zip(s.teacher, g.sequences, strict=True):
+            assert t.topk_ids.shape == (seq.length - 1, s.k)
+            expect = good(ScoreRequest(seq.tokens.numpy().astype(np.int32), s.k))
+            np.testing.assert_array_equal(t.topk_ids.numpy(), expect.topk_ids)
+            np.testing.assert_array_equal(t.sampled_logprobs.numpy(), expect.sampled_logprobs)
+        roundtrip(s)  # valid under the wire contract (position convention included)
+
+
+async def test_skip_and_discard_never_reach_teacher() -> None:
+    teacher = FakeTeacher()
+    groups = [
+        group(100, [8]),
+        group(200, [8], group_overrides={"skip_teacher_top_k": True}),
+        RolloutGroup(group_id="d", sequences=group(300, [8, 8]).sequences, discard=True),
+        group(400, [8], group_overrides={"skip_teacher_top_k": False}),
+    ]
+    out, scorer = await run(groups, teacher)
+    assert [(s.status, s.reason) for s in out] == [
+        (DistillStatus.OK, None),
+        (DistillStatus.SKIPPED, "skip_teacher_top_k"),
+        (DistillStatus.SKIPPED, "discarded"),
+        (DistillStatus.OK, None),
+    ]
+    assert out[1].teacher is None and out[2].teacher is None
+    assert sorted(teacher.sent_first_tokens()) == [100, 400]
+    assert scorer.stats.groups == {"ok": 2, "skipped": 2}
+    assert scorer.stats.reasons == {"skip_teacher_top_k": 1, "discarded": 1}
+    for s in out:
+        roundtrip(s)
+
+
+@pytest.mark.parametrize(
+    ("rule", "prefix"),
+    [
+        (lambda r: ScoreFailure("http 400: bad", retryable=False), "teacher_error: http 400"),
+        (lambda r: ScoreResult(good(r).topk_ids[:-1], good(r).topk_logprobs[:-1], good(r).sampled_logprobs[:-1]),
+         "misaligned: top-k shapes"),
+        (lambda r: ScoreResult(good(r).topk_ids[:, :1], good(r).topk_logprobs, good(r).sampled_logprobs),
+         "misaligned: top-k shapes"),
+        (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs, np.full(r.rows, np.nan, np.float32)),
+         "misaligned: non-finite"),
+        (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs[:, ::-1].copy(), good(r).sampled_logprobs),
+         "misaligned: top-k rows not sorted"),
+        (lambda r: ScoreFailure("misaligned: 3 entries for 9 tokens", retryable=False), "misaligned: 3 entries"),
+    ],
+)  # fmt: skip
+async def test_bad_sequence_drops_whole_group(rule: Behaviour, prefix: str) -> None:
+    teacher = FakeTeacher(rules={201: rule})
+    groups = [group(100, [9, 9]), group(200, [9, 9, 9]), group(300, [9])]
+    with structlog.testing.capture_logs() as logs:
+        out, scorer = await run(groups, teacher, default_k=4)
+    assert [s.status for s in out] == [DistillStatus.OK, DistillStatus.DROPPED, DistillStatus.OK]
+    dropped = out[1]
+    assert dropped.teacher is None and dropped.reason is not None
+    assert dropped.reason.startswith(prefix) and "(sequence 1)" in dropped.reason
+    assert len(teacher.calls) == 1  # non-retryable: no second attempt
+    drops = [e for e in logs if e["event"] == "teacher_payload_dropped"]
+    assert [(e["group_id"], e["reason"]) for e in drops] == [("g200", dropped.reason)]
+    assert scorer.stats.groups == {"ok": 2, "dropped": 1}
+    assert scorer.stats.reasons == {prefix.split(":", maxsplit=1)[0]: 1}
+    roundtrip(dropped)
+
+
+async def test_retries_then_success_with_capped_backoff() -> None:
+    left = {"n": 3}
+
+    def flaky(r: ScoreRequest) -> ScoreOutcome | None:
+        if left["n"]:
+            left["n"] -= 1
+            return ScoreFailure("timeout", retryable=True)
+        return None
+
+    teacher = FakeTeacher(rules={100: flaky})
+    out, scorer = await run(
+        [group(100, [9, 9]), group(200, [9])], teacher, retries=4, backoff_base_s=0.5, backoff_max_s=1.5
+    )
+    assert [s.status for s in out] == [DistillStatus.OK, DistillStatus.OK]
+    assert scorer.sleeps == [0.5, 1.0, 1.5]  # type: ignore[attr-defined]
+    # Only the failing sequence is re-sent.
+    assert [[int(r.tokens[0]) for r in call] for call in teacher.calls[1:]] == [[100], [100], [100]]
+    assert scorer.stats.retries == 3
+
+
+async def test_retries_exhausted_and_backend_exception() -> None:
+    teacher = FakeTeacher(rules={100: lambda r: ScoreFailure("http 503: busy", retryable=True)})
+    out, scorer = await run([group(100, [9]), group(200, [9])], teacher, retries=2)
+    assert out[0].status is DistillStatus.DROPPED
+    assert out[0].reason == "teacher_error: http 503: busy (sequence 0)"
+    assert out[1].status is DistillStatus.OK
+    assert len(teacher.calls) == 3 and scorer.sleeps == [0.5, 1.0]  # type: ignore[attr-defined]
+
+    boom = FakeTeacher()
+    boom.raise_next = 1
+    out, _ = await run([group(100, [9])], boom, retries=1)
+    assert out[0].status is DistillStatus.OK and len(boom.calls) == 2
+    boom.raise_next = 5
+    out, _ = await run([group(100, [9])], boom, retries=1)
+    assert out[0].status is DistillStatus.DROPPED
+    assert out[0].reason is not None and "backend exploded" in out[0].reason
+
+
+async def test_other_sequences_of_failed_group_not_retried() -> None:
+    teacher = FakeTeacher(
+        rules={
+            100: lambda r: ScoreFailure("http 400", retryable=False),
+            101: lambda r: ScoreFailure("timeout", retryable=True),
+        }
+    )
+    out, _ = await run([group(100, [9, 9])], teacher, retries=3)
+    assert out[0].status is DistillStatus.DROPPED and len(teacher.calls) == 1
+
+
+async def test_packing_respects_token_budget() -> None:
+    rng = np.random.default_rng(1)
+    groups = [group(100 * (g + 1), [int(n) for n in rng.integers(2, 120, 5)]) for g in range(6)]
+    groups.append(group(900, [400]))  # longer than the budget: goes alone
+    teacher = FakeTeacher()
+    out, scorer = await run(groups, teacher, max_batch_tokens=300)
+    assert all(s.status is DistillStatus.OK for s in out)
+    for call in teacher.calls:
+        lens = [int(r.tokens.shape[0]) for r in call]
+        assert len(call) == 1 or len(call) * max(lens) <= 300
+    sent = sorted(teacher.sent_first_tokens())
+    assert sent == sorted(int(s.tokens.numpy()[0]) for g in groups for s in g.sequences)
+    assert len(teacher.calls) < sum(len(g.sequences) for g in groups)  # several groups share calls
+    assert any(len({int(r.tokens[0]) // 100 for r in call}) > 1 for call in teacher.calls)
+    assert scorer.stats.tokens_scored == sum(g.num_tokens for g in groups)
+    assert scorer.stats.teacher_calls == len(teacher.calls) == len(scorer.stats.latencies_s)
+
+
+def test_pack_function_covers_all() -> None:
+    from pipeline.scoring import _Item
+
+    items = [_Item(0, i, ScoreRequest(np.zeros(n, np.int32), 1)) for i, n in enumerate([5, 50, 20, 20, 7, 100])]
+    calls = pack(items, 60)
+    assert sorted(it.seq for c in calls for it in c) == list(range(6))
+    for c in calls:
+        assert len(c) == 1 or len(c) * max(int(it.req.tokens.shape[0]) for it in c) <= 60
+
+
+@pytest.mark.parametrize("rule", ["clamp", "drop"])
+async def test_k_over_cap(rule: str) -> None:
+    teacher = FakeTeacher(max_k=6)
+    groups = [group(100, [9], group_overrides={"teacher_top_k": 10}), group(200, [9])]
+    out, scorer = await run(groups, teacher, default_k=4, k_over_cap=rule)
+    assert out[1].status is DistillStatus.OK and out[1].k == 4
+    if rule == "clamp":
+        assert out[0].status is DistillStatus.OK and out[0].k == 6
+        assert out[0].teacher is not None and out[0].teacher[0].topk_ids.shape == (8, 6)
+        assert scorer.stats.clamped_groups == 1
+    else:
+        assert out[0].status is DistillStatus.DROPPED and out[0].reason is not None
+        assert out[0].reason.startswith("k_over_cap")
+        assert teacher.sent_first_tokens() == [200]
+
+
+async def test_bad_override_type_drops() -> None:
+    out, _ = await run([group(100, [9], group_overrides={"teacher_top_k": "5"})], FakeTeacher())
+    assert out[0].status is DistillStatus.DROPPED and out[0].reason is not None
+    assert out[0].reason.startswith("bad_override")
+
+
+async def test_fp16_option_and_hooks() -> None:
+    seen: list[float] = []
+    stats = ScoringStats()
+    stats.latency_hooks.append(seen.append)
+    scorer = Scorer(FakeTeacher(), ScoringConfig(default_k=3, fp16_topk=True), stats=stats)
+    (s,) = await scorer.score_groups([group(100, [9, 5])])
+    assert s.teacher is not None and s.teacher[0].topk_logprobs.dtype == "<f2"
+    assert s.teacher[0].sampled_logprobs.dtype == "<f4"
+    assert len(seen) == 1 and seen[0] >= 0
+    roundtrip(s)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="default_k"):
+        ScoringConfig(default_k=0)
+    with pytest.raises(ValueError, match="k_over_cap"):
+        ScoringConfig(k_over_cap="ignore")  # type: ignore[arg-type]
+    cfg = ScoringConfig(backoff_base_s=1.0, backoff_max_s=5.0)
+    assert [cfg.backoff(i) for i in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
