@@ -26,7 +26,7 @@ from pipeline.consumer import Delivery
 from pipeline.keys import Keys
 from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
 from pipeline.producer import AddResult, ProducerStopped, StreamProducer
-from pipeline.runloop import Heartbeat, RunStats, default_consumer_name
+from pipeline.runloop import Heartbeat, RunStats, default_consumer_name, renew_leases
 from pipeline.sharding import make_consumer
 from schemas import DecodeError, ScoredGroup, decode
 
@@ -96,7 +96,7 @@ class Feeder:
         await retry_transient(self.consumer.ensure_group, stop=stop)
         await retry_transient(self.restore_controller, stop=stop)
         hb = asyncio.create_task(self.heartbeat.run(stop, self.state.stats))
-        lease = asyncio.create_task(self._renew_leases(stop))
+        lease = asyncio.create_task(renew_leases(self.consumer, s.claim_idle_ms, "feeder"))
         backoff = Backoff()
         written = 0
         log.info("feeder_started", consumer=self.name, config=self.cfg)
@@ -201,14 +201,6 @@ class Feeder:
         self.state.stats.outcomes[outcome] += n
         metrics.STAGE_MESSAGES.labels("feeder", outcome).inc(n)
 
-    async def _renew_leases(self, stop: asyncio.Event) -> None:
-        every = self.settings.claim_idle_ms / 3000
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await self.consumer.touch()
-            except TRANSIENT:
-                metrics.REDIS_ERRORS.labels("feeder").inc()
 
 
 async def _sleep(stop: asyncio.Event, delay: float, error: BaseException) -> None:

@@ -51,6 +51,10 @@ class BackpressureTimeout(TimeoutError):
     """The stream stayed at its backlog cap for longer than the configured timeout."""
 
 
+class MessageTooLarge(ValueError):
+    """The encoded message exceeds ``max_message_bytes``; it is refused before reaching Redis."""
+
+
 class ProducerStopped(RuntimeError):
     """``stop`` was set while waiting for stream capacity; nothing was written."""
 
@@ -119,6 +123,9 @@ class StreamProducer:
         stop: asyncio.Event | None = None,
     ) -> Added:
         s = self.settings
+        if len(payload) > s.max_message_bytes:
+            raise MessageTooLarge(f"{mtype.decode()} {mid}: {len(payload)} bytes exceeds max_message_bytes="
+                                  f"{s.max_message_bytes} (DISTILLQ_MAX_MESSAGE_BYTES)")
         ids = (dedupe if dedupe is not None else [mid]) if self.dedupe else []
         key = self.keys.stream_for(self.stream, mid, self.shards)
         if key != self.key and ids != [mid]:

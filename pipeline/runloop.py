@@ -35,7 +35,7 @@ from pipeline.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.consumer import Delivery
 from pipeline.keys import Keys
 from pipeline.producer import ProducerStopped, StreamProducer, message_id
-from pipeline.sharding import make_consumer
+from pipeline.sharding import Consumer, make_consumer
 from schemas import DecodeError, Message, decode
 
 log = structlog.get_logger("distillq.runloop")
@@ -159,7 +159,7 @@ class StageRunner(Generic[M]):
         await retry_transient(self.consumer.ensure_group, stop=stop)
         log.info("stage_started", stage=self.stage, consumer=self.name, stream=self.consumer.stream, burst=burst)
         hb = asyncio.create_task(self.heartbeat.run(stop, self.stats))
-        lease = asyncio.create_task(self._renew_leases(stop))
+        lease = asyncio.create_task(renew_leases(self.consumer, s.claim_idle_ms, self.stage))
         backoff = Backoff()
         try:
             while not stop.is_set():
@@ -197,16 +197,6 @@ class StageRunner(Generic[M]):
             log.info("stage_stopped", stage=self.stage, consumer=self.name, handled=self.stats.handled,
                      outcomes=dict(self.stats.outcomes))
         return self.stats
-
-    async def _renew_leases(self, stop: asyncio.Event) -> None:
-        """Keep in-flight entries from looking idle while slow work (a teacher call) runs."""
-        every = self.settings.claim_idle_ms / 3000
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await self.consumer.touch()
-            except TRANSIENT:
-                metrics.REDIS_ERRORS.labels(self.stage).inc()
 
     async def _drained(self, stop: asyncio.Event) -> bool:
         try:
@@ -254,7 +244,7 @@ class StageRunner(Generic[M]):
                 good.append((d, decode(d.payload, self.limits, expect=self.input_type)))
             except DecodeError as e:
                 metrics.DECODE_ERRORS.labels(self.stage).inc()
-                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"), stop)
+                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"))
                 self._count("dead_letter")
         if good:
             outcomes = await self._handle(good)
@@ -313,14 +303,14 @@ class StageRunner(Generic[M]):
                 acks.append(d)
                 self._count(o.reason)
             elif isinstance(o, DeadLetter):
-                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, o.reason), stop)
+                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, o.reason))
                 self._count("dead_letter")
             else:
                 self._count("retry")
         if acks:
-            await self._bookkeep(lambda: self.consumer.ack(acks), stop)
+            await self._bookkeep(lambda: self.consumer.ack(acks))
 
-    async def _bookkeep(self, op: Callable[[], Awaitable[None]], stop: asyncio.Event) -> None:
+    async def _bookkeep(self, op: Callable[[], Awaitable[None]]) -> None:
         """Acks and dead letters: shielded from cancellation and retried over Redis outages."""
         await asyncio.shield(retry_transient(op, deadline_s=max(30.0, self.settings.shutdown_grace_s)))
 
@@ -340,6 +330,17 @@ class StageRunner(Generic[M]):
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
             log.warning("cancelled_in_flight", stage=self.stage, batches=len(pending))
+
+
+async def renew_leases(consumer: Consumer, claim_idle_ms: int, stage: str) -> None:
+    """Keep a consumer's in-flight entries from looking idle (so nobody reclaims them) while slow work
+    runs: resets their idle time every third of ``claim_idle_ms``. Runs until cancelled."""
+    while True:
+        await asyncio.sleep(claim_idle_ms / 3000)
+        try:
+            await consumer.touch()
+        except TRANSIENT:
+            metrics.REDIS_ERRORS.labels(stage).inc()
 
 
 async def _sleep_or_stop(stop: asyncio.Event, delay: float) -> None:

@@ -6,18 +6,9 @@ otherwise. One server per module (about 45 s to start on 2 cores), on a free por
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -26,69 +17,27 @@ from transformers import AutoTokenizer
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.student_vllm import VLLMStudent
 from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
+from tests.vllm_server import START_TIMEOUT_S, needs_vllm, vllm_server
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("DISTILLQ_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 #: Largest |vLLM - HF| logprob difference accepted (about 5e-7 is observed with float32 on CPU).
 TOL = 1e-5
-START_TIMEOUT_S = 300.0
 NAME = "tiny-student"
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(START_TIMEOUT_S + 120),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM not installed ({VLLM_PYTHON} missing)"),
+    needs_vllm,
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    student_dir = ensure_tiny_models().student.resolve()
-    port = _free_port()
+    model_dir = ensure_tiny_models().student.resolve()
     log_path = tmp_path_factory.mktemp("vllm-student") / "server.log"
-    cmd = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(student_dir), "--served-model-name", NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", "512", "--max-num-seqs", "16",
-        # CPU backend: this fraction of the node's memory is reserved (the 0.92 default fails on a busy host).
-        "--gpu-memory-utilization", "0.1",
-        "--enforce-eager",  # skip torch.compile: faster start, same numbers
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
-    t0 = time.monotonic()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                pytest.fail(f"vLLM not ready after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        print(f"\nvLLM CPU student server ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    # CPU backend: this fraction of the node's memory is reserved (the 0.92 default fails on a busy host).
+    extra = ("--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.1")
+    with vllm_server(model_dir, NAME, log_path, *extra) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):  # engine core children live in the session started above
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,17 @@ async def test_backpressure_waits_then_proceeds_and_never_trims(r: aioredis.Redi
     assert [d.group_id for d in rest] == ["g1", "g2", "g3"]
 
 
+async def test_oversized_message_is_refused_before_redis(r: aioredis.Redis, keys: Keys) -> None:
+    from pipeline.producer import MessageTooLarge
+
+    prod = StreamProducer(r, keys, "rollouts", fast(max_message_bytes=4096))
+    with pytest.raises(MessageTooLarge, match="exceeds max_message_bytes"):
+        await prod.send(synthetic_rollout(4, 512, group_id="big"))
+    assert await r.exists(keys.stream("rollouts")) == 0
+    await prod.send(synthetic_rollout(1, 8, group_id="small"))
+    assert await r.xlen(keys.stream("rollouts")) == 1
+
+
 async def test_backpressure_timeout_is_clear(r: aioredis.Redis, keys: Keys) -> None:
     prod = StreamProducer(r, keys, "rollouts", fast(max_backlog=1, backpressure_timeout_s=0.3))
     await prod.send(synthetic_rollout(1, 8, group_id="a"))

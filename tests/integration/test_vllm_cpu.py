@@ -6,18 +6,10 @@ otherwise. One server per module, started on a free port and stopped by pid.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
@@ -29,70 +21,27 @@ from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
 from schemas import DistillStatus
 from schemas.build import synthetic_rollout
 from tests.stubs.vllm_stub import assert_topk_matches, teacher_logprobs
+from tests.vllm_server import START_TIMEOUT_S, needs_vllm, vllm_server
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("DISTILLQ_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 CAP = 20
 #: Largest |vLLM - HF| logprob difference accepted (about 1e-6 is observed with float32 on CPU).
 TOL = 1e-5
-START_TIMEOUT_S = 300.0
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(START_TIMEOUT_S + 120),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM not installed ({VLLM_PYTHON} missing)"),
+    needs_vllm,
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    teacher_dir = ensure_tiny_models().teacher.resolve()
-    port = _free_port()
+    model_dir = ensure_tiny_models().teacher.resolve()
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    cmd = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(teacher_dir), "--served-model-name", "tiny-teacher",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-logprobs", str(CAP),
-        # CPU backend: this fraction of the NUMA node's memory is reserved (default 0.92 fails on a busy host).
-        "--gpu-memory-utilization", "0.15",
-        "--enforce-eager",  # skip torch.compile: faster start, same numbers
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
-    t0 = time.monotonic()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                pytest.fail(f"vLLM not ready after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        print(f"\nvLLM CPU server ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    # CPU backend: this fraction of the node's memory is reserved (the 0.92 default fails on a busy host).
+    extra = ("--max-logprobs", str(CAP), "--gpu-memory-utilization", "0.15")
+    with vllm_server(model_dir, "tiny-teacher", log_path, *extra) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        # The engine core runs in children of the server, in the session started above.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
