@@ -134,9 +134,10 @@ def sequence_advantages(
     for i, s in enumerate(seqs):
         mask = s.loss_mask.numpy().astype(bool)
         adv = np.zeros(s.length, dtype=np.float32)
-        if reward_weight and not (s.overrides or {}).get("set_advantage_to_zero"):
+        zeroed = bool((s.overrides or {}).get("set_advantage_to_zero"))  # reference semantics: no signal at all
+        if reward_weight and not zeroed:
             adv[mask] += np.float32(reward_weight * reward_adv[i])
-        if g.teacher is not None and s.logprobs is not None and s.length > 1:
+        if g.teacher is not None and s.logprobs is not None and s.length > 1 and not zeroed:
             q = g.teacher[i].sampled_logprobs.numpy().astype(np.float32)  # row r -> token r + 1
             student = s.logprobs.numpy()[1:]
             m = mask[1:]

@@ -128,18 +128,30 @@ class StreamConsumer:
     async def _read_own_pending(self, count: int) -> list[Delivery]:
         cursor = self._own_cursor or "0"
         resp: Any = await self.redis.xreadgroup(self.group, self.name, {self.key: cursor}, count=count)
-        out = []
-        seen = 0
-        for _stream, entries in resp or ():
-            for eid, fields in entries:
-                seen += 1
-                self._own_cursor = _entry_id(eid)
-                if fields:
-                    d = Delivery(_entry_id(eid), fields, deliveries=2, reclaimed=True, shard=self.shard or 0)
-                    self.owned.add(d.entry_id)
-                    out.append(d)
-        if seen < count:
+        rows = [(_entry_id(eid), fields) for _stream, entries in resp or () for eid, fields in entries]
+        if len(rows) < count:
             self._own_cursor = None
+        if not rows:
+            return []
+        self._own_cursor = rows[-1][0] if self._own_cursor is not None else None
+        gone = [eid for eid, fields in rows if not fields]  # deleted while pending: nothing left to do
+        if gone:
+            await self.redis.xack(self.key, self.group, *gone)
+        live = [(eid, fields) for eid, fields in rows if fields]
+        if not live:
+            return []
+        pending: Any = await self.redis.xpending_range(
+            self.key, self.group, min=live[0][0], max=live[-1][0], count=len(live), consumername=self.name
+        )
+        counts = {_entry_id(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        out = []
+        for eid, fields in live:
+            d = Delivery(eid, fields, deliveries=max(2, counts.get(eid, 2)), reclaimed=True, shard=self.shard or 0)
+            if d.deliveries > self.settings.max_deliveries:  # a crash loop under a stable name ends here
+                await self.dead_letter(d, f"max_deliveries: delivered {d.deliveries} times without success")
+                continue
+            self.owned.add(eid)
+            out.append(d)
         if out:
             log.info("own_pending_redelivered", stream=self.stream, consumer=self.name, count=len(out))
         return out

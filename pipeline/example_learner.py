@@ -33,7 +33,7 @@ from pipeline.learner import Learner
 from pipeline.losses import importance_sampled_pg_loss, token_logprobs, topk_forward_kl
 from pipeline.tinymodels import arithmetic_problem, load_causal_lm
 from pipeline.torch_batch import to_torch
-from pipeline.weights import save_weights
+from pipeline.weights import load_weights, save_weights
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")
@@ -88,8 +88,10 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
         return kl
 
     with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
-        version = max(learner.policy_version(), 0)
-        save_weights(student, cfg.weights_dir, version)
+        resumed = load_weights(student, cfg.weights_dir)  # a restarted learner continues from what it published
+        version = resumed if resumed is not None else max(learner.policy_version(), 0)
+        if resumed is None:
+            save_weights(student, cfg.weights_dir, version)
         learner.publish_policy_version(version)
         rec0: dict[str, float] = {"step": 0.0, "policy_version": float(version)}
         if teacher is not None:
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                         batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace)
     Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
     history = train(cfg)
-    return 0 if history else 1
+    return 0 if len(history) > 1 else 1  # history[0] is the step-0 record: no step ran without a batch
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pipeline.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.consumer import Delivery
 from pipeline.keys import Keys
 from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
-from pipeline.producer import AddResult, ProducerStopped, StreamProducer
+from pipeline.producer import AddResult, BackpressureTimeout, MessageTooLarge, ProducerStopped, StreamProducer
 from pipeline.runloop import Heartbeat, RunStats, default_consumer_name, renew_leases
 from pipeline.sharding import make_consumer
 from schemas import DecodeError, ScoredGroup, decode
@@ -87,9 +87,14 @@ class Feeder:
         except ValueError as e:
             log.error("kl_state_invalid", error=str(e))
             return
-        if type(stored) is type(self.controller):
+        if isinstance(stored, AdaptiveKL) and isinstance(self.controller, AdaptiveKL):
+            # Continue from the learned coefficient; the configured target and horizon win over stored ones.
+            stored.target, stored.horizon = self.controller.target, self.controller.horizon
             self.controller = stored
             log.info("kl_state_restored", controller=repr(stored))
+        elif isinstance(stored, ConstantKL) and isinstance(self.controller, ConstantKL):
+            log.info("kl_state_ignored", reason="constant coefficient: the configured value applies",
+                     stored=stored.value, configured=self.controller.value)
 
     async def run(self, stop: asyncio.Event, *, burst: bool = False, max_batches: int | None = None) -> RunStats:
         s = self.settings
@@ -170,6 +175,17 @@ class Feeder:
             except ProducerStopped:
                 self.state.buffer[:0] = items  # back in front, still pending
                 return False
+            except BackpressureTimeout as e:  # the learner is stalled: keep waiting, lose nothing
+                log.error("learner_stalled", error=str(e), buffered=len(self.state.buffer) + len(items))
+                continue
+            except MessageTooLarge as e:
+                if len(items) > 1:  # split: the second half goes back to the front of the buffer
+                    self.state.buffer[:0] = items[len(items) // 2 :]
+                    del items[len(items) // 2 :]
+                    continue
+                await self.consumer.dead_letter(items[0].ref, f"batch_too_large: {e}")
+                self._count("dead_letter")
+                return True
             if added.result is AddResult.ADDED:
                 break
             dup = items.pop(added.duplicate_index)  # already in an earlier batch: never twice

@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any, Protocol
 
+from pipeline.config import StreamSettings
 from pipeline.producer import F_DATA, F_ID, F_TYPE
 from schemas import (
     DecodeError,
@@ -53,7 +54,7 @@ def summarize_message(msg: Message) -> dict[str, Any]:
 
 def decode_entry(fields: dict[bytes, bytes], limits: Limits | None = None) -> Message | DecodeError:
     try:
-        return decode(fields.get(F_DATA, b""), limits or Limits())
+        return decode(fields.get(F_DATA, b""), limits or StreamSettings().limits())
     except DecodeError as e:
         return e
 

@@ -7,7 +7,7 @@ code runs on Redis Cluster, and each stream shard gets its own slot:
 =================================================  ============  ==============================================
 key                                                type          written by / meaning
 =================================================  ============  ==============================================
-``{ns:rollouts}`` (shard i of S>1: ``{ns:rollouts:i}``)  stream  rollout workers / producers; read by teachers
+``{ns:rollouts}`` (shard i of S>1: ``{ns:rollouts:i~n}``)  stream  rollout workers / producers; read by teachers
 ``{ns:scored}`` (``{ns:scored:i}``)                stream        teacher workers; read by the feeder
 ``{ns:batches}``                                   stream        feeder; read by the learner (never sharded)
 ``{ns:dlq}``                                       stream        any stage: dead letters (stage, reason, bytes)

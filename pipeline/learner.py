@@ -3,10 +3,12 @@ the policy version.
 
     from pipeline.learner import Learner
     with Learner("redis://127.0.0.1:6379/0") as learner:        # sync; AsyncLearner for asyncio
+        version = learner.policy_version()
         for batch in learner.batches():
             loss = step(to_torch(batch.batch))                  # pipeline.torch_batch.to_torch
             learner.ack(batch)                                  # unacked batches are redelivered
-            learner.publish_policy_version(version := version + 1)
+            version += 1
+            learner.publish_policy_version(version)             # after the new weights are in place
 
 Batches are read through the ``learner`` consumer group under a stable consumer name (default
 ``learner-0``): a restarted learner first gets back every batch it had read but not acknowledged.

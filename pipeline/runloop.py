@@ -35,7 +35,7 @@ from pipeline.config import StreamSettings
 from pipeline.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.consumer import Delivery
 from pipeline.keys import Keys
-from pipeline.producer import ProducerStopped, StreamProducer
+from pipeline.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped, StreamProducer
 from pipeline.sharding import Consumer, make_consumer
 from schemas import DecodeError, Message, decode
 
@@ -303,10 +303,18 @@ class StageRunner(Generic[M]):
         if isinstance(o, Emit):
             if self.producer is None:
                 raise RuntimeError(f"{self.stage} emitted but has no output stream")
-            try:
-                await self.producer.send(o.msg, stop=stop)
-            except ProducerStopped:
-                return False
+            while True:
+                try:
+                    await self.producer.send(o.msg, stop=stop)
+                    break
+                except ProducerStopped:
+                    return False
+                except BackpressureTimeout as e:  # downstream stalled: keep the input (leased), keep waiting
+                    log.error("downstream_full", stage=self.stage, error=str(e))
+                except MessageTooLarge as e:
+                    await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"output_too_large: {e}"))
+                    self._count("dead_letter")
+                    return True
             log.debug("emitted", stage=self.stage)
             acks.append(d)
             self._count("emitted")

@@ -89,7 +89,8 @@ class Supervisor:
     def alive(self, name: str) -> bool:
         return any(p.spec.name == name and p.popen is not None and p.popen.poll() is None for p in self.procs)
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = 40.0) -> None:
+        """SIGTERM every process group, wait ``grace_s`` (longer than a worker's 30 s drain), then SIGKILL."""
         running = [p for p in self.procs if p.popen is not None and p.popen.poll() is None]
         for p in running:
             assert p.popen is not None

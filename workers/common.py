@@ -36,7 +36,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="Prometheus port (0: off; env DISTILLQ_METRICS_PORT)")
     p.add_argument("--metrics-host", default=env("METRICS_HOST", "127.0.0.1"),
                    help="address the metrics endpoint binds (default 127.0.0.1)")
-    p.add_argument("--consumer-name", default=env("CONSUMER_NAME"), help="stable consumer name (default: host-pid)")
+    p.add_argument("--consumer-name", default=env("CONSUMER_NAME"),
+                   help="stable consumer name (default: <stage>-<host>-<pid>-<random>); a restart under the "
+                        "same name gets its own unacknowledged entries back first")
     p.add_argument("--max-in-flight", type=int, default=None, help="messages handled at once")
     p.add_argument("--read-count", type=int, default=None, help="entries per read")
     p.add_argument("--shards", default=env("SHARDS"),
@@ -68,10 +70,12 @@ def run_stage(stage: str, args: argparse.Namespace, serve: Serve) -> int:
     return asyncio.run(run_worker(stage, rs, main, metrics_port=args.metrics_port, metrics_host=args.metrics_host))
 
 
-def standalone(stage: str, add_arguments: Callable[[argparse.ArgumentParser], None], serve: Serve) -> int:
-    """``python -m workers.<stage>``: the same flags as ``distillq worker <stage>``."""
+def standalone(
+    stage: str, add_arguments: Callable[[argparse.ArgumentParser], None], main: Callable[[argparse.Namespace], int]
+) -> int:
+    """``python -m workers.<stage>``: the same flags and exit codes as ``distillq worker <stage>``."""
     p = argparse.ArgumentParser(prog=f"python -m workers.{stage}")
     add_arguments(p)
     args = p.parse_args()
     configure_logging()
-    return run_stage(stage, args, serve)
+    return main(args)

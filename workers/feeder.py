@@ -54,4 +54,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(standalone("feeder", add_arguments, serve))
+    sys.exit(standalone("feeder", add_arguments, main))

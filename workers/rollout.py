@@ -104,7 +104,7 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     heartbeat = Heartbeat(redis, keys.heartbeat("rollout", name), stream_settings(args).heartbeat_interval_s)
     hb = asyncio.create_task(heartbeat.run(stop, stats))
     try:
-        await run_worker_until(worker, stop)
+        await run_worker_until(worker, stop, grace_s=stream_settings(args).shutdown_grace_s)
     finally:
         hb.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -118,4 +118,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(standalone("rollout", add_arguments, serve))
+    sys.exit(standalone("rollout", add_arguments, main))

@@ -119,4 +119,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(standalone("teacher", add_arguments, serve))
+    sys.exit(standalone("teacher", add_arguments, main))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from types import FrameType
 from rich.console import Console
 
 from pipeline.cli.common import add_redis_args
+from pipeline.connection import mask_url
 from pipeline.embedded import EmbeddedRedis
 
 console = Console(stderr=True)
@@ -43,8 +45,9 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     embedded = None
     try:
-        if args.redis_url:
-            url = args.redis_url
+        url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
+        if url:
+            console.print(f"using Redis at {mask_url(url)}")
         else:
             embedded = EmbeddedRedis().start()
             url = embedded.url
@@ -55,7 +58,8 @@ def main(args: argparse.Namespace) -> int:
             teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
                 f"training the teacher: step {s + 1}, loss {loss:.3f}"))
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
-        cfg = DemoConfig(redis_url=url, out=args.out, namespace=args.namespace or "demo", steps=args.steps,
+        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps,
                          rollout_workers=args.rollout_workers, timeout_s=args.timeout)
         from pipeline.demo import enqueue
 

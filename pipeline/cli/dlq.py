@@ -1,6 +1,6 @@
 """``distillq dlq list|show|replay|purge``: inspect dead letters, send them back, or delete them.
 
-Dead-letter fields (written by ``StreamConsumer.dead_letter``): stage, reason, source, source_id,
+Dead-letter fields (written by ``StreamConsumer.dead_letter``): stage, reason, source, source_id, source_shard,
 deliveries, consumer, at_ms, and ``orig_<field>`` for each field of the original entry (t, gid, d).
 Replay re-validates the original bytes, writes them to their source stream (or ``--to``) without the
 dedupe check (the group id's marker exists from the first write; backpressure still applies), and

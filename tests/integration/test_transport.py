@@ -250,3 +250,18 @@ async def test_scored_entry_roundtrip_preserves_group(r: aioredis.Redis, keys: K
     back = decode(fields[b"d"], expect=ScoredGroup)
     assert msgspec.structs.asdict(back.group)["group_overrides"] == {"teacher_top_k": 4}
     assert [s.length for s in back.group.sequences] == [5, 9, 17]
+
+
+async def test_crash_loop_under_a_stable_name_is_dead_lettered(r: aioredis.Redis, keys: Keys) -> None:
+    """A message that kills its worker every time: restarts under the same name must not loop forever."""
+    s = fast(max_deliveries=2)
+    await StreamProducer(r, keys, "rollouts", s).send(synthetic_rollout(1, 8, group_id="killer"))
+    for _ in range(2):  # two lives, each dying while holding the entry
+        c = StreamConsumer(r, keys, "rollouts", "stable", s)
+        await c.ensure_group()
+        assert [d.group_id for d in await c.read(1, block_ms=50)] == ["killer"]
+    restarted = StreamConsumer(r, keys, "rollouts", "stable", s)
+    assert await restarted.read(1, block_ms=50) == []  # third delivery exceeds the max
+    (_, fields), = await r.xrange(keys.dlq)
+    assert fields[b"orig_gid"] == b"killer" and fields[b"reason"].startswith(b"max_deliveries")
+    assert await restarted.pending_count() == 0
