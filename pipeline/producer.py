@@ -1,20 +1,32 @@
 """Producer: one XADD per message, with backpressure and idempotent hand-off.
 
-A Lua script does, atomically on the stream's hash slot:
-  1. if a dedupe marker of any of the message's ids exists -> report which (no XADD);
-  2. if the stream holds ``max_backlog`` entries or more -> report "full" (nothing written);
-  3. XADD the entry and set the dedupe markers (with a TTL) to its entry id.
-A group or rollout is deduplicated by its group id; a train batch by the ids of all its groups, so a
-group reaches the learner in at most one batch even when a restarted feeder re-batches it.
-When full, the producer waits (backing off) and retries until ``backpressure_timeout_s``, then raises
-``BackpressureTimeout``. It never trims: unconsumed entries are never deleted to make room.
+Two steps, so that the payload never passes through Lua (Redis's Lua hashes every byte of every
+argument: about 5x the CPU of a plain XADD per byte, measured in bench/RESULTS.md):
+
+1. A small Lua script, atomically on the stream's hash slot, without the payload: if a dedupe marker
+   of any of the message's ids says *written*, report the duplicate; if another writer holds it
+   (*pending*), wait; if the stream holds ``max_backlog`` entries or more, wait ("full"; nothing is
+   ever trimmed to make room); else reserve the markers with this send's token for ``RESERVE_MS``.
+2. ``MULTI`` / ``XADD`` / ``SET marker written`` / ``EXEC``: the entry and its markers appear together
+   or not at all. The marker then records the entry id (best effort, for reporting duplicates).
+
+On Redis Cluster, redis-py offers no MULTI, so step 2 is not available: there one Lua script does all
+of it with the payload (``_RESERVE_AND_ADD``), atomic as well, at the Lua cost per byte.
+
+A crash between the two steps leaves a reservation that expires after ``RESERVE_MS``, after which a
+redelivered message is written normally. A waiting producer retries only the small script, so a full
+stream costs no payload traffic. A group or rollout is deduplicated by its group id; a train batch by
+the ids of all its groups, so a group reaches the learner in at most one batch even when a restarted
+feeder re-batches it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,15 +41,39 @@ from schemas import Message, RolloutGroup, ScoredGroup, TrainBatch, encode
 
 log = structlog.get_logger("distillq.producer")
 
-_ADD: Final = """
+#: How long a reservation holds a dedupe marker before a crashed writer's claim expires.
+RESERVE_MS: Final = 30_000
+_PENDING: Final = "pending:"
+
+# KEYS: stream, dedupe markers...; ARGV: cap, token, reserve_ms.
+# Returns {code, marker value, marker index}: 1 reserved, 2 written already, 3 another writer, 0 full.
+_RESERVE: Final = """
 for i = 2, #KEYS do
-  local seen = redis.call('GET', KEYS[i])
-  if seen then return {2, seen, i - 2} end
+  local v = redis.call('GET', KEYS[i])
+  if v and v ~= ARGV[2] then
+    if string.sub(v, 1, 8) == 'pending:' then return {3, v, i - 2} end
+    return {2, v, i - 2}
+  end
 end
 local cap = tonumber(ARGV[1])
 if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, '', -1} end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-for i = 2, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[2]) end
+for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3]) end
+return {1, '', -1}
+"""
+
+# Redis Cluster: the same checks, and the XADD in the script too (payload in ARGV[4..]).
+_RESERVE_AND_ADD: Final = """
+for i = 2, #KEYS do
+  local v = redis.call('GET', KEYS[i])
+  if v and v ~= ARGV[2] then
+    if string.sub(v, 1, 8) == 'pending:' then return {3, v, i - 2} end
+    return {2, v, i - 2}
+  end
+end
+local cap = tonumber(ARGV[1])
+if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, '', -1} end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
+for i = 2, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[3]) end
 return {1, id, -1}
 """
 
@@ -107,7 +143,9 @@ class StreamProducer:
         self.dedupe = dedupe
         self.shards = shards
         self.key = keys.stream(stream)  # the unsharded key; see keys.stream_for
-        self._script = redis.register_script(_ADD)
+        self._reserve = redis.register_script(_RESERVE)
+        self._reserve_and_add = redis.register_script(_RESERVE_AND_ADD)
+        self._cluster = type(redis).__name__ == "RedisCluster"  # no MULTI there: one script does it all
 
     async def send(self, msg: Message, *, stop: asyncio.Event | None = None) -> Added:
         """Encode and add ``msg``; waits while the stream is full. Idempotent by group id."""
@@ -130,32 +168,39 @@ class StreamProducer:
         key = self.keys.stream_for(self.stream, mid, self.shards)
         if key != self.key and ids != [mid]:
             raise ValueError("a sharded stream dedupes by the message's own id only")
-        keys = [key, *(self.keys.seen(self.stream, i, self.shards) for i in ids)]
-        args: list[bytes | str | int] = [
-            s.max_backlog, s.dedupe_ttl_s * 1000, F_TYPE, mtype, F_ID, mid, F_DATA, payload,
-        ]
+        markers = [self.keys.seen(self.stream, i, self.shards) for i in ids]
+        fields: dict[bytes, bytes | str] = {F_TYPE: mtype, F_ID: mid, F_DATA: payload}
+        token = f"{_PENDING}{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.backpressure_timeout_s
         backoff = Backoff(base=0.01, cap=0.5)
         waited_since: float | None = None
         while True:
-            code, entry, index = await retry_transient(
-                lambda: self._script(keys=keys, args=args),
+            if self._cluster:
+                flat = [x for kv in fields.items() for x in kv]
+                script, args = self._reserve_and_add, [s.max_backlog, token, s.dedupe_ttl_s * 1000, *flat]
+            else:
+                script, args = self._reserve, [s.max_backlog, token, RESERVE_MS]
+            code, value, index = await retry_transient(
+                functools.partial(script, keys=[key, *markers], args=args),
                 stop=stop,
                 deadline_s=max(1.0, deadline - loop.time()),
             )
             if code == 1:
+                entry = value.decode() if self._cluster else await retry_transient(
+                    lambda: self._write(key, fields, markers, token), deadline_s=60)
                 metrics.PRODUCED.labels(self.stream).inc()
                 metrics.PRODUCED_BYTES.labels(self.stream).inc(len(payload))
                 if waited_since is not None:
                     metrics.BACKPRESSURE_WAIT.labels(self.stream).observe(time.monotonic() - waited_since)
-                return Added(AddResult.ADDED, entry.decode())
+                return Added(AddResult.ADDED, entry)
             if code == 2:
                 metrics.DEDUPED.labels(self.stream).inc()
-                return Added(AddResult.DUPLICATE, entry.decode(), int(index))
+                return Added(AddResult.DUPLICATE, value.decode(), int(index))
             if waited_since is None:
                 waited_since = time.monotonic()
-                log.info("backpressure_wait", stream=self.stream, cap=s.max_backlog, group_id=mid)
+                why = "another writer holds the group" if code == 3 else f"stream at its cap of {s.max_backlog}"
+                log.info("backpressure_wait", stream=self.stream, reason=why, group_id=mid)
             if stop is not None and stop.is_set():
                 raise ProducerStopped(f"stop requested while waiting for capacity on {self.stream!r}")
             if loop.time() >= deadline:
@@ -164,3 +209,27 @@ class StreamProducer:
                     f"{s.backpressure_timeout_s:.0f} s; is its consumer running?"
                 )
             await asyncio.sleep(min(backoff.next_delay() + 0.005, max(0.0, deadline - loop.time())))
+
+    async def _write(self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str) -> str:
+        """XADD and mark the reserved markers written, atomically (MULTI/EXEC: same hash slot).
+
+        Safe to retry after an ambiguous failure (EXEC ran, the reply was lost): if the first marker no
+        longer holds this send's token, the write happened and is not repeated.
+        """
+        ttl = self.settings.dedupe_ttl_s * 1000
+        if markers:
+            current: bytes | None = await self.redis.get(markers[0])
+            if current is not None and current.decode() != token:
+                return current.decode()  # written by this send already (the entry id, or "written")
+        async with self.redis.pipeline(transaction=bool(markers)) as p:
+            p.xadd(key, fields)  # type: ignore[arg-type]
+            for m in markers:
+                p.set(m, "written", px=ttl)
+            res = await p.execute()
+        entry = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
+        if markers:  # best effort: let duplicates report the entry they duplicate
+            async with self.redis.pipeline(transaction=False) as p:
+                for m in markers:
+                    p.set(m, entry, xx=True, keepttl=True)
+                await p.execute()
+        return entry

@@ -315,7 +315,8 @@ def rollout_from_atropos(
     """
     lim = limits or _DEFAULT_LIMITS
     try:
-        msg = _convert(obj, group_id, policy_version, lim)
+        with np.errstate(over="ignore", invalid="ignore"):  # out-of-range floats become inf: rejected below
+            msg = _convert(obj, group_id, policy_version, lim)
         validate(msg, lim)
     except DecodeError as e:
         raise DecodeError(_rename(e.field), e.reason) from None
