@@ -102,12 +102,16 @@ def take_batch(buffer: list[Pending], cfg: BatchingConfig, *, flush: bool = Fals
         order = [0, *sorted(window[1:], key=lambda i: abs(buffer[i].longest - head)), *order[cfg.bucket_window :]]
     chosen: list[int] = []
     full = False
+    seqs = tokens = longest = 0  # running totals: the cost of a candidate is O(1)
     for i in order:
-        trial = [buffer[j] for j in chosen] + [buffer[i]]
-        if chosen and _cost(trial, cfg) > cfg.max_batch_tokens:
+        p = buffer[i]
+        n_seqs, n_tok, n_long = seqs + len(p.group.group.sequences), tokens + p.tokens, max(longest, p.longest)
+        cost = n_tok if cfg.token_count == "sum" else n_seqs * n_long
+        if chosen and cost > cfg.max_batch_tokens:
             full = True
             break
         chosen.append(i)
+        seqs, tokens, longest = n_seqs, n_tok, n_long
         if cfg.max_batch_groups is not None and len(chosen) >= cfg.max_batch_groups:
             full = True
             break

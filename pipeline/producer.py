@@ -187,8 +187,7 @@ class StreamProducer:
                 deadline_s=max(1.0, deadline - loop.time()),
             )
             if code == 1:
-                entry = value.decode() if self._cluster else await retry_transient(
-                    lambda: self._write(key, fields, markers, token), deadline_s=60)
+                entry = value.decode() if self._cluster else await self._write_retrying(key, fields, markers, token)
                 metrics.PRODUCED.labels(self.stream).inc()
                 metrics.PRODUCED_BYTES.labels(self.stream).inc(len(payload))
                 if waited_since is not None:
@@ -210,14 +209,28 @@ class StreamProducer:
                 )
             await asyncio.sleep(min(backoff.next_delay() + 0.005, max(0.0, deadline - loop.time())))
 
-    async def _write(self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str) -> str:
+    async def _write_retrying(
+        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str
+    ) -> str:
+        attempts = 0
+
+        async def write() -> str:
+            nonlocal attempts
+            attempts += 1
+            return await self._write(key, fields, markers, token, retry=attempts > 1)
+
+        return await retry_transient(write, deadline_s=60)
+
+    async def _write(
+        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str, *, retry: bool = False
+    ) -> str:
         """XADD and mark the reserved markers written, atomically (MULTI/EXEC: same hash slot).
 
         Safe to retry after an ambiguous failure (EXEC ran, the reply was lost): if the first marker no
         longer holds this send's token, the write happened and is not repeated.
         """
         ttl = self.settings.dedupe_ttl_s * 1000
-        if markers:
+        if markers and retry:
             current: bytes | None = await self.redis.get(markers[0])
             if current is not None and current.decode() != token:
                 return current.decode()  # written by this send already (the entry id, or "written")
