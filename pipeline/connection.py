@@ -21,12 +21,24 @@ T = TypeVar("T")
 #: Errors that mean "Redis is away" (or a cluster master is failing over); callers back off and retry.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, TryAgainError,
              MasterDownError, ConnectionError, OSError)
-_PASSWORD = re.compile(r"(?P<scheme>[a-z]+://)(?P<user>[^:@/]*)(?::[^@/]*)?@")
+_QUERY_SECRET = re.compile(r"(?P<key>(?:password|passwd|pass|pwd))=[^&]*", re.IGNORECASE)
 
 
 def mask_url(url: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://user:***@host`` (never log a password)."""
-    return _PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
+    """Any password in a Redis URL -> ``***``: ``user:secret@`` (also with ``/`` or ``@`` in it) and
+    ``?password=...`` query parameters (never log a password)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    query = ""
+    if "?" in rest:
+        rest, query = rest.split("?", 1)
+        query = "?" + _QUERY_SECRET.sub(lambda m: f"{m['key']}=***", query)
+    if "@" in rest:
+        auth, host = rest.rsplit("@", 1)
+        user = auth.split(":", 1)[0]
+        rest = f"{user}:***@{host}" if ":" in auth or user else f"***@{host}"
+    return f"{scheme}://{rest}{query}"
 
 
 CLUSTER_SCHEME = "redis+cluster://"
@@ -51,7 +63,7 @@ def _connect_cluster(settings: RedisSettings, kwargs: dict[str, object]) -> aior
         parts = urlsplit(f"//{hp}")
         nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
     user, _, password = auth.partition(":") if auth else ("", "", "")
-    for name in ("health_check_interval", "retry_on_error"):
+    for name in ("retry_on_error",):
         kwargs.pop(name, None)
     if not tls:
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
@@ -71,7 +83,6 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
         "decode_responses": False,
         "socket_connect_timeout": settings.socket_connect_timeout,
         "socket_keepalive": True,
-        "health_check_interval": 30,
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError, BusyLoadingError],
     }

@@ -12,6 +12,7 @@ key                                                type          written by / me
 ``{ns:batches}``                                   stream        feeder; read by the learner (never sharded)
 ``{ns:dlq}``                                       stream        any stage: dead letters (stage, reason, bytes)
 ``<stream key>:seen:<group id>``                   string (TTL)  producer: dedupe marker -> entry id written
+``<stream key>:reserving``                         zset          producer: writes reserved, not yet done (cap)
 ``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
 ``ns:policy_version``                              string        learner: current policy version (int)
 ``ns:kl``                                          string        feeder: KL controller state (JSON)
@@ -120,6 +121,11 @@ class Keys:
     def seen(self, stream: str, group_id: str, shards: int = 1) -> str:
         """Dedupe marker for ``group_id`` on ``stream`` (same hash slot as the stream key it goes to)."""
         return f"{self.stream_for(stream, group_id, shards)}:seen:{group_id}"
+
+    @staticmethod
+    def reservations(stream_key: str) -> str:
+        """The producer's outstanding write reservations for a stream key (same hash slot)."""
+        return f"{stream_key}:reserving"
 
     @property
     def dlq(self) -> str:

@@ -45,19 +45,28 @@ log = structlog.get_logger("distillq.producer")
 RESERVE_MS: Final = 30_000
 _PENDING: Final = "pending:"
 
-# KEYS: stream, dedupe markers...; ARGV: cap, token, reserve_ms.
+# KEYS: stream, its reservations (sorted set: token -> expiry ms), dedupe markers...; ARGV: cap, token, reserve_ms.
 # Returns {code, marker value, marker index}: 1 reserved, 2 written already, 3 another writer, 0 full.
+# The cap counts outstanding reservations too, so concurrent writers cannot overshoot it.
 _RESERVE: Final = """
-for i = 2, #KEYS do
+for i = 3, #KEYS do
   local v = redis.call('GET', KEYS[i])
   if v and v ~= ARGV[2] then
-    if string.sub(v, 1, 8) == 'pending:' then return {3, v, i - 2} end
-    return {2, v, i - 2}
+    if string.sub(v, 1, 8) == 'pending:' then return {3, v, i - 3} end
+    return {2, v, i - 3}
   end
 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local cap = tonumber(ARGV[1])
-if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, '', -1} end
-for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3]) end
+if cap > 0 then
+  local held = redis.call('ZCARD', KEYS[2])
+  if redis.call('ZSCORE', KEYS[2], ARGV[2]) then held = held - 1 end
+  if redis.call('XLEN', KEYS[1]) + held >= cap then return {0, '', -1} end
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[2])
+for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3]) end
 return {1, '', -1}
 """
 
@@ -111,6 +120,11 @@ def message_type(msg: Message) -> bytes:
     return {RolloutGroup: b"rollout", ScoredGroup: b"scored", TrainBatch: b"batch"}[type(msg)]
 
 
+def is_written(marker: bytes | None) -> bool:
+    """Whether a dedupe marker records a completed write (not absent, not a pending reservation)."""
+    return marker is not None and not marker.startswith(_PENDING.encode())
+
+
 def dedupe_ids(msg: Message) -> list[str]:
     if isinstance(msg, TrainBatch):
         return [g.group_id for g in msg.groups]
@@ -147,9 +161,14 @@ class StreamProducer:
         self._reserve_and_add = redis.register_script(_RESERVE_AND_ADD)
         self._cluster = type(redis).__name__ == "RedisCluster"  # no MULTI there: one script does it all
 
-    async def send(self, msg: Message, *, stop: asyncio.Event | None = None) -> Added:
-        """Encode and add ``msg``; waits while the stream is full. Idempotent by group id."""
-        return await self.send_raw(encode(msg), message_type(msg), message_id(msg), dedupe_ids(msg), stop=stop)
+    async def send(self, msg: Message, *, stop: asyncio.Event | None = None, token: str | None = None) -> Added:
+        """Encode and add ``msg``; waits while the stream is full. Idempotent by group id.
+
+        ``token`` names the reservation: a stage passes one derived from its input entry, so that after a
+        crash between reservation and write, the redelivered input resumes the same reservation.
+        """
+        return await self.send_raw(encode(msg), message_type(msg), message_id(msg), dedupe_ids(msg), stop=stop,
+                                   token=token)
 
     async def send_raw(
         self,
@@ -159,6 +178,7 @@ class StreamProducer:
         dedupe: list[str] | None = None,
         *,
         stop: asyncio.Event | None = None,
+        token: str | None = None,
     ) -> Added:
         s = self.settings
         if len(payload) > s.max_message_bytes:
@@ -169,8 +189,9 @@ class StreamProducer:
         if key != self.key and ids != [mid]:
             raise ValueError("a sharded stream dedupes by the message's own id only")
         markers = [self.keys.seen(self.stream, i, self.shards) for i in ids]
+        reservations = self.keys.reservations(key)
         fields: dict[bytes, bytes | str] = {F_TYPE: mtype, F_ID: mid, F_DATA: payload}
-        token = f"{_PENDING}{uuid.uuid4().hex}"
+        token = f"{_PENDING}{token or uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.backpressure_timeout_s
         backoff = Backoff(base=0.01, cap=0.5)
@@ -178,11 +199,12 @@ class StreamProducer:
         while True:
             if self._cluster:
                 flat = [x for kv in fields.items() for x in kv]
-                script, args = self._reserve_and_add, [s.max_backlog, token, s.dedupe_ttl_s * 1000, *flat]
+                script, keys = self._reserve_and_add, [key, *markers]
+                args: list[bytes | str | int] = [s.max_backlog, token, s.dedupe_ttl_s * 1000, *flat]
             else:
-                script, args = self._reserve, [s.max_backlog, token, RESERVE_MS]
+                script, keys, args = self._reserve, [key, reservations, *markers], [s.max_backlog, token, RESERVE_MS]
             code, value, index = await retry_transient(
-                functools.partial(script, keys=[key, *markers], args=args),
+                functools.partial(script, keys=keys, args=args),
                 stop=stop,
                 deadline_s=max(1.0, deadline - loop.time()),
             )
@@ -234,10 +256,11 @@ class StreamProducer:
             current: bytes | None = await self.redis.get(markers[0])
             if current is not None and current.decode() != token:
                 return current.decode()  # written by this send already (the entry id, or "written")
-        async with self.redis.pipeline(transaction=bool(markers)) as p:
+        async with self.redis.pipeline(transaction=True) as p:
             p.xadd(key, fields)  # type: ignore[arg-type]
             for m in markers:
                 p.set(m, "written", px=ttl)
+            p.zrem(self.keys.reservations(key), token)  # the reservation now counts as the entry itself
             res = await p.execute()
         entry = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
         if markers:  # best effort: let duplicates report the entry they duplicate

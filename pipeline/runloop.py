@@ -35,7 +35,7 @@ from pipeline.config import StreamSettings
 from pipeline.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.consumer import Delivery
 from pipeline.keys import Keys
-from pipeline.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped, StreamProducer
+from pipeline.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped, StreamProducer, is_written
 from pipeline.sharding import Consumer, make_consumer
 from schemas import DecodeError, Message, decode
 
@@ -280,9 +280,10 @@ class StageRunner(Generic[M]):
         keys = [self.keys.seen(self.producer.stream, d.group_id, self.shards) for d in redo]
         async with self.redis.pipeline(transaction=False) as p:
             for k in keys:
-                p.exists(k)
+                p.get(k)
             seen = await p.execute()
-        done = [d for d, s in zip(redo, seen, strict=True) if s]
+        # A pending reservation is not a write: its writer may have died before XADD (handled below).
+        done = [d for d, s in zip(redo, seen, strict=True) if is_written(s)]
         if done:
             await self.consumer.ack(done)
             self._count("already_emitted", len(done))
@@ -305,7 +306,9 @@ class StageRunner(Generic[M]):
                 raise RuntimeError(f"{self.stage} emitted but has no output stream")
             while True:
                 try:
-                    await self.producer.send(o.msg, stop=stop)
+                    # The reservation is named after the input entry: a redelivery after a crash between
+                    # reservation and write resumes it instead of waiting for it to expire.
+                    await self.producer.send(o.msg, stop=stop, token=f"{self.consumer.stream}:{d.shard}:{d.entry_id}")
                     break
                 except ProducerStopped:
                     return False

@@ -39,6 +39,7 @@ from pipeline.teacher.base import (
 from schemas.arrays import Array
 from schemas.build import make_teacher
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
+from schemas.validate import DecodeError, Limits, validate
 
 log = structlog.get_logger(__name__)
 
@@ -141,11 +142,13 @@ class Scorer:
         config: ScoringConfig | None = None,
         *,
         stats: ScoringStats | None = None,
+        limits: Limits | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.backend = backend
         self.config = config or ScoringConfig()
+        self.limits = limits or Limits(max_k=max(256, self.config.default_k))
         self.stats = stats or ScoringStats()
         self._sleep = sleep
         self._clock = clock
@@ -204,12 +207,18 @@ class Scorer:
         ident = self.backend.identity
         if outcome is None:
             assert payload is not None and len(payload) == len(group.sequences)
-            self.stats.count(DistillStatus.OK, None)
-            self.stats.sequences_scored += len(payload)
-            self.stats.tokens_scored += group.num_tokens
-            return ScoredGroup(
+            scored = ScoredGroup(
                 group=group, status=DistillStatus.OK, teacher=payload, k=k, teacher_id=ident, scored_at=now
             )
+            try:  # what the feeder will check, checked here: a bad payload is dropped, not emitted
+                validate(scored, self.limits)
+            except DecodeError as e:
+                outcome = (DistillStatus.DROPPED, f"{MISALIGNED}: {e}")
+            else:
+                self.stats.count(DistillStatus.OK, None)
+                self.stats.sequences_scored += len(payload)
+                self.stats.tokens_scored += group.num_tokens
+                return scored
         status, reason = outcome
         self.stats.count(status, reason)
         if status is DistillStatus.DROPPED:

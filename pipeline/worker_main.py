@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from pipeline.config import RedisSettings
-from pipeline.connection import connect, mask_url
+from pipeline.connection import TRANSIENT, connect, mask_url
 from pipeline.keys import Keys
 from pipeline.metrics import serve_metrics
 
@@ -62,6 +62,10 @@ async def run_worker(
     except asyncio.CancelledError:
         log.warning("worker_cancelled", stage=stage)
         return 130
+    except TRANSIENT as e:
+        if not stop.is_set():
+            raise
+        log.info("stopped_while_redis_unavailable", stage=stage, error=str(e))
     finally:
         await redis.aclose()
     return 0

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from pipeline.cli.common import add_redis_args, redis_settings
 from pipeline.config import StreamSettings
+from pipeline.connection import retry_transient
 from pipeline.keys import Keys
 from pipeline.logs import configure_logging
 from pipeline.sharding import get_shards, parse_assigned
@@ -45,9 +46,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="read only these shards of a sharded input stream, e.g. 0,2 (default: all)")
 
 
-async def shard_plan(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys) -> tuple[int, list[int]]:
+async def shard_plan(
+    args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event | None = None
+) -> tuple[int, list[int]]:
     """The pipeline's shard count (from Redis, shared by all workers) and the shards this worker reads."""
-    shards = await get_shards(redis, keys)
+    shards = await retry_transient(lambda: get_shards(redis, keys), stop=stop)  # Redis may not be up yet: wait
     return shards, parse_assigned(getattr(args, "shards", None), shards)
 
 

@@ -43,7 +43,7 @@ def config(args: argparse.Namespace) -> BatchingConfig:
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
     ctl = (AdaptiveKL(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target is not None
            else ConstantKL(args.kl_coef))
-    shards, assigned = await shard_plan(args, redis, keys)
+    shards, assigned = await shard_plan(args, redis, keys, stop)
     feeder = Feeder(redis, keys, config(args), ctl, stream_settings(args), consumer_name=args.consumer_name,
                     max_buffered_groups=args.max_buffered_groups, shards=shards, assigned=assigned)
     await feeder.run(stop, burst=args.burst)

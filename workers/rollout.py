@@ -63,7 +63,7 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     backend = make_backend(args)
     reward = get_reward(args.reward)
     params = GenParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-    shards, _ = await shard_plan(args, redis, keys)
+    shards, _ = await shard_plan(args, redis, keys, stop)
     producer = StreamProducer(redis, keys, "rollouts", stream_settings(args), shards=shards)
     name = args.consumer_name or default_consumer_name("rollout")
     stats, job_stats = RunStats(), JobStats()

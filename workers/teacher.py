@@ -99,7 +99,7 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     backend, scorer = await prepare(args)
     try:
         s = stream_settings(args)
-        shards, assigned = await shard_plan(args, redis, keys)
+        shards, assigned = await shard_plan(args, redis, keys, stop)
         runner = StageRunner(redis, keys, TeacherStage(scorer, drops_to_dlq=args.on_drop == "dlq"), RolloutGroup,
                              "rollouts", "scored", s, consumer_name=args.consumer_name, shards=shards,
                              assigned=assigned)

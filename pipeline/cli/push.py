@@ -52,6 +52,9 @@ def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list
         except DecodeError as e:
             errors.append(f"line {n}: {e}")
             continue
+        except (RecursionError, ValueError) as e:  # nesting too deep, an integer of thousands of digits
+            errors.append(f"line {n}: unreadable JSON: {type(e).__name__}: {str(e)[:200]}")
+            continue
         if stream == "rollouts" and isinstance(msg, ScoredGroup):
             msg = msg.group  # the teacher scores it again
         elif stream == "scored" and isinstance(msg, RolloutGroup):

@@ -206,7 +206,7 @@ class HTTPTeacher:
             content = resp.content
         try:
             return self.parse(content, req)
-        except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError) as e:
+        except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
             return ScoreFailure(f"{MISALIGNED}: unparseable response ({type(e).__name__}: {e})", retryable=False)
 
     async def _get_json(self, url: str) -> Any:
