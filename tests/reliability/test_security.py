@@ -62,6 +62,16 @@ def pipeline_round_trip(url: str | None, namespace: str, tmp: Path, env: dict[st
     return codes, out
 
 
+def stop_or_kill(proc: subprocess.Popen[str], grace_s: float = 30.0) -> str:
+    """Output of ``proc`` after SIGTERM; SIGKILL (and fail) if it does not stop within ``grace_s``."""
+    try:
+        return proc.communicate(timeout=grace_s)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        raise AssertionError(f"worker did not stop within {grace_s:.0f} s of SIGTERM: {out[-1500:]}") from None
+
+
 def leaked(text: str, *secrets: str) -> list[str]:
     return [s for s in secrets for form in (s, urllib.parse.quote(s, safe="")) if form in text]
 
@@ -102,7 +112,7 @@ def test_authenticated_urls_work_and_passwords_never_reach_output(how: str, tmp_
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(3.0)
     worker.send_signal(signal.SIGTERM)
-    down_out = worker.communicate(timeout=30)[0]
+    down_out = stop_or_kill(worker)
     masked_logged = '"redis": "redis://' in out and ":***@" in out
     report(f"security_{how}", exit_codes=codes, batches=batches, output_bytes=len(out + wrong_out + down_out),
            password_leaks=len(leaked(out + wrong_out + down_out, secret)), url_logged_masked=masked_logged,
@@ -233,7 +243,11 @@ def test_metrics_bind_to_loopback_by_default(private_redis: RedisServer) -> None
     finally:
         for p in (default, exposed):
             p.send_signal(signal.SIGTERM)
-            p.wait(30)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
     report("security_metrics", default_listen=default_addrs, default_reachable_on_other_address=default_remote,
            explicit_0000_listen=exposed_addrs, explicit_reachable_on_other_address=exposed_remote,
            other_address=other)
