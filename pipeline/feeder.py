@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -152,7 +153,8 @@ class Feeder:
             g = decode(d.payload, self.limits, expect=ScoredGroup)
         except DecodeError as e:
             metrics.DECODE_ERRORS.labels("feeder").inc()
-            await self.consumer.dead_letter(d, f"decode_error: {e}")
+            reason = f"decode_error: {e}"
+            await retry_transient(functools.partial(self.consumer.dead_letter, d, reason), deadline_s=60)
             self._count("dead_letter")
             return
         STALENESS.observe(max(0, self.state.policy_version - g.group.policy_version))
@@ -161,7 +163,7 @@ class Feeder:
             DROPPED.labels(why.split("_", 2)[0] if why.startswith("no_distill") else why).inc()
             log.info("group_not_batched", group_id=g.group_id, reason=why,
                      group_version=g.group.policy_version, current_version=self.state.policy_version)
-            await self.consumer.ack([d])
+            await retry_transient(lambda: self.consumer.ack([d]), deadline_s=60)
             self._count(why)
             return
         self.state.buffer.append(Pending(d.entry_id, g, ref=d))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -72,14 +73,17 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(10)
 
-    def stop(self) -> None:
+    def stop(self, *, keep_dir: bool = False) -> None:
+        """Stop the server; its temporary directory goes too unless ``keep_dir`` (a restart keeps it)."""
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+        if not keep_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def restart(self) -> RedisServer:
-        self.stop()
+        self.stop(keep_dir=True)
         return self.start()

@@ -92,7 +92,7 @@ async def prepare(args: argparse.Namespace) -> tuple[TeacherBackend, Scorer]:
     cfg = ScoringConfig(default_k=args.top_k, max_batch_tokens=args.max_batch_tokens, retries=args.retries,
                         k_over_cap=args.k_over_cap, fp16_topk=args.fp16_topk,
                         concurrent_calls=1 if args.backend == "hf" else args.concurrency)
-    return backend, Scorer(backend, cfg)
+    return backend, Scorer(backend, cfg, limits=stream_settings(args).limits())
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
