@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from tests.stubs.http import read_request
+
 MODEL = "stub-teacher"
 VOCAB = 32000
 
@@ -63,15 +65,10 @@ class SwitchableTeacher:
         self._writers.add(writer)
         try:
             while True:
-                line = await reader.readline()
-                if not line:
+                request = await read_request(reader)
+                if request is None:
                     break
-                method, path, _ = line.decode().split(" ", 2)
-                headers: dict[str, str] = {}
-                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    key, value = h.decode().split(":", 1)
-                    headers[key.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                method, path, body = request
                 prompt = tuple(json.loads(body).get("prompt") or ()) if path == "/v1/completions" else ()
                 self.attempts[prompt] += 1
                 if self.mode == "hang":

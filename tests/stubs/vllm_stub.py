@@ -20,6 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from tests.stubs.http import read_request
+
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
 
 
@@ -86,15 +88,10 @@ class VLLMStub:
         self._idle.clear()
         try:
             while True:
-                line = await reader.readline()
-                if not line:
+                request = await read_request(reader)
+                if request is None:
                     break
-                method, path, _ = line.decode().split(" ", 2)
-                headers: dict[str, str] = {}
-                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    key, value = h.decode().split(":", 1)
-                    headers[key.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                method, path, body = request
                 status, payload = await self._route(method, path, body)
                 data = json.dumps(payload).encode()
                 head = f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
