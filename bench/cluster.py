@@ -40,6 +40,7 @@ import msgspec
 import redis
 import structlog
 
+from pipeline.claimcheck import encode_header
 from pipeline.config import RedisSettings, StreamSettings
 from pipeline.connection import connect
 from pipeline.keys import Keys
@@ -100,7 +101,8 @@ async def role_produce(a: argparse.Namespace) -> dict[str, Any]:
         for i in ids:  # one iterator shared by the senders
             msg = renamed(tmpl, f"g{i}")
             data = encode(msg)
-            await p.send_raw(data, message_type(msg), message_id(msg), dedupe_ids(msg))
+            header = encode_header(msg, len(data)) if p.claim_check else None
+            await p.send_raw(data, message_type(msg), message_id(msg), dedupe_ids(msg), header=header)
             nbytes += len(data)
 
     await asyncio.gather(*(sender() for _ in range(a.concurrency)))
@@ -325,18 +327,18 @@ async def xadd_only(url: str, port: int, payload: bytes, seconds: float, concurr
     """Producer-only MB/s: raw XADD (MAXLEN 4, exact) or ``StreamProducer`` with a trimmer emptying the stream."""
     keys = Keys(f"bx{uuid.uuid4().hex[:8]}")
     clients = [connect(RedisSettings(redis_url=url)) for _ in range(concurrency + 1)]
-    key, sent, stop = keys.stream("scored"), [0], asyncio.Event()
+    key, sent, stop = keys.stream("rollouts"), [0], asyncio.Event()  # an inline stream: trimming frees all
     big = StreamSettings(max_backlog=10**9, backpressure_timeout_s=60.0)
 
     async def raw(r: Any) -> None:
         while not stop.is_set():
-            await r.xadd(key, {b"t": b"scored", b"d": payload}, maxlen=4, approximate=False)
+            await r.xadd(key, {b"t": b"rollout", b"d": payload}, maxlen=4, approximate=False)
             sent[0] += 1
 
     async def script(r: Any, j: int) -> None:
-        p, i = StreamProducer(r, keys, "scored", big), 0
+        p, i = StreamProducer(r, keys, "rollouts", big), 0
         while not stop.is_set():
-            await p.send_raw(payload, b"scored", f"x{j}-{i}")
+            await p.send_raw(payload, b"rollout", f"x{j}-{i}")
             sent[0], i = sent[0] + 1, i + 1
 
     async def trimmer(r: Any) -> None:

@@ -2,23 +2,32 @@
 
     python -m bench.feeder [--groups 400] [--seq-len 512] [--k 8] [--rounds 3]
 
-Each round fills the scored stream with the same N groups, then (a) drains it with a bare loop
-(XREADGROUP COUNT 8, decode with the same validation, XACK+XDEL), and (b) refills it and runs the
-feeder (batches of 8 groups, advantages, TrainBatch written to the batches stream) with a no-op learner
-that reads, decodes and acks every batch, until every group reached the learner. Rounds alternate
-(a) and (b) on a private redis-server; the table reports best and median groups/s and the ratio.
+Each round fills the scored stream with the same N groups (as teacher workers write them: a header
+entry plus the payload in its own key, see ``pipeline.claimcheck``), then (a) drains it with a bare
+loop (XREADGROUP COUNT 8, MGET of the payloads, decode with full validation, XACK+XDEL+DEL), and (b)
+refills it and runs the feeder (headers only: batches of 8 groups, ``BatchManifest`` written to the
+batches stream) with a no-op learner client (reads each batch, fetches and validates its groups,
+computes the advantages, acks), until every group reached the learner: (b) with the feeder as an
+asyncio task in the learner's process, and (b') with the feeder as its own process, as it is deployed
+(``distillq worker feeder``; the clock starts once it is connected). (a') is the bare loop over the
+pre-claim-check layout (payload inline in the entry), for context. Rounds alternate the loops on a
+private redis-server; the table reports best and median groups/s and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import platform
 import statistics
 import time
 
+import redis.asyncio as aioredis
+
 from pipeline.batching import BatchingConfig
+from pipeline.claimcheck import encode_header
 from pipeline.config import RedisSettings, StreamSettings
 from pipeline.connection import connect
 from pipeline.consumer import StreamConsumer
@@ -26,6 +35,7 @@ from pipeline.feeder import Feeder
 from pipeline.keys import Keys
 from pipeline.kl_control import ConstantKL
 from pipeline.learner import AsyncLearner
+from pipeline.logs import configure_logging
 from pipeline.producer import StreamProducer, message_id, message_type
 from schemas import ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
@@ -36,11 +46,14 @@ def settings() -> StreamSettings:
     return StreamSettings(block_ms=50, max_backlog=100_000, read_count=8, claim_interval_ms=60_000)
 
 
-async def fill(url: str, keys: Keys, payloads: list[tuple[bytes, bytes, str]]) -> None:
+async def fill(url: str, keys: Keys, payloads: list[tuple[bytes, bytes, str, bytes]], *, inline: bool = False) -> None:
     r = connect(RedisSettings(redis_url=url))
     p = StreamProducer(r, keys, "scored", settings(), dedupe=False)
-    for data, mtype, gid in payloads:
-        await p.send_raw(data, mtype, gid)
+    for data, mtype, gid, header in payloads:
+        if inline:
+            await r.xadd(keys.stream("scored"), {b"t": mtype, b"gid": gid, b"d": data})
+        else:
+            await p.send_raw(data, mtype, gid, header=header)
     await r.aclose()
 
 
@@ -53,10 +66,53 @@ async def bare(url: str, keys: Keys, n: int) -> float:
     while done < n:
         batch = await c.read(8)
         for d in batch:
-            decode(d.payload, expect=ScoredGroup)
+            decode(d.payload, expect=ScoredGroup)  # full validation, as the learner client does
         await c.ack(batch)
         done += len(batch)
     dt = time.perf_counter() - t0
+    await r.aclose()
+    return n / dt
+
+
+async def learn(r: aioredis.Redis, keys: Keys, n: int) -> None:
+    """The no-op learner: the client's iterator (fetch, validate, advantages), then ack."""
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=settings())
+    got = 0
+    while got < n:
+        b = await learner.next_batch(timeout_s=30)
+        if b is None:
+            raise RuntimeError(f"learner starved after {got} groups")
+        got += len(b.batch.groups)
+        await learner.ack(b)
+
+
+def _feeder_process(url: str, namespace: str) -> None:
+    """A feeder worker in its own process, as deployed: waits for the go key, then drains ``scored``."""
+    configure_logging("WARNING")
+
+    async def go() -> None:
+        r, keys = connect(RedisSettings(redis_url=url)), Keys(namespace)
+        f = Feeder(r, keys, BatchingConfig(max_batch_groups=8, max_batch_tokens=10**9, max_wait_s=0.05,
+                                           max_staleness=None), ConstantKL(0.1), settings(), consumer_name="f")
+        await r.set(f"{namespace}:bench:ready", 1)
+        await r.blpop([f"{namespace}:bench:go"], timeout=60)
+        await f.run(asyncio.Event(), burst=True)
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+async def feeder_process(url: str, keys: Keys, n: int) -> float:
+    r = connect(RedisSettings(redis_url=url))
+    proc = multiprocessing.get_context("spawn").Process(target=_feeder_process, args=(url, keys.namespace))
+    proc.start()
+    while not await r.get(f"{keys.namespace}:bench:ready"):
+        await asyncio.sleep(0.05)
+    t0 = time.perf_counter()
+    await r.rpush(f"{keys.namespace}:bench:go", 1)
+    await learn(r, keys, n)
+    dt = time.perf_counter() - t0
+    await asyncio.to_thread(proc.join, 30)
     await r.aclose()
     return n / dt
 
@@ -65,17 +121,10 @@ async def feeder(url: str, keys: Keys, n: int) -> float:
     r = connect(RedisSettings(redis_url=url))
     f = Feeder(r, keys, BatchingConfig(max_batch_groups=8, max_batch_tokens=10**9, max_wait_s=0.05,
                                        max_staleness=None), ConstantKL(0.1), settings(), consumer_name="f")
-    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=settings())
     stop = asyncio.Event()
     t0 = time.perf_counter()
     task = asyncio.create_task(f.run(stop))
-    got = 0
-    while got < n:
-        b = await learner.next_batch(timeout_s=30)
-        if b is None:
-            raise RuntimeError(f"learner starved after {got} groups")
-        got += len(b.batch.groups)
-        await learner.ack(b)
+    await learn(r, keys, n)
     dt = time.perf_counter() - t0
     stop.set()
     await task
@@ -92,15 +141,17 @@ def main() -> None:
     a = ap.parse_args()
     groups = [synthetic_scored(synthetic_rollout(8, a.seq_len, group_id=f"g{i}", seed=i), k=a.k, seed=i)
               for i in range(a.groups)]
-    payloads = [(encode(g), message_type(g), message_id(g)) for g in groups]
+    payloads = [(encode(g), message_type(g), message_id(g), encode_header(g)) for g in groups]
     mb = sum(len(p[0]) for p in payloads) / 1e6
     server = RedisServer().start()
-    results: dict[str, list[float]] = {"bare": [], "feeder": []}
+    configure_logging("WARNING")
+    results: dict[str, list[float]] = {"bare": [], "feeder": [], "feeder_process": [], "bare_inline": []}
+    loops = (("bare", bare), ("feeder", feeder), ("feeder_process", feeder_process), ("bare_inline", bare))
     try:
         for rnd in range(a.rounds):
-            for name, fn in (("bare", bare), ("feeder", feeder)):
+            for name, fn in loops:
                 keys = Keys(f"b{rnd}{name}")
-                asyncio.run(fill(server.url, keys, payloads))
+                asyncio.run(fill(server.url, keys, payloads, inline=name == "bare_inline"))
                 results[name].append(asyncio.run(fn(server.url, keys, a.groups)))
     finally:
         server.stop()
@@ -110,9 +161,11 @@ def main() -> None:
     print("|---|---|---|")
     for name, xs in results.items():
         print(f"| {name} | {max(xs):.0f} | {statistics.median(xs):.0f} |")
-    best = max(results["feeder"]) / max(results["bare"])
-    med = statistics.median(results["feeder"]) / statistics.median(results["bare"])
-    print(f"| feeder / bare | {best:.2f} | {med:.2f} |  (target >= 0.90)")
+    for num, den, note in (("feeder_process", "bare", "(target >= 0.90)"), ("feeder", "bare", "(one process)"),
+                           ("feeder_process", "bare_inline", "(context)")):
+        best = max(results[num]) / max(results[den])
+        med = statistics.median(results[num]) / statistics.median(results[den])
+        print(f"| {num} / {den} | {best:.2f} | {med:.2f} |  {note}")
 
 
 if __name__ == "__main__":

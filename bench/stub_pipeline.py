@@ -1,8 +1,9 @@
 """The floor for ``bench.transport``: distillq's stream operations on pre-built bytes, no logic.
 
 Same topology, connections, field names and payload sizes as the real stages: producer XADD ->
-teacher XREADGROUP (8) / one XADD per entry / XACK+XDEL -> feeder XREADGROUP (8) / XADD of one batch
-per ``batch_groups`` entries / XACK+XDEL -> learner XREADGROUP (1) / XACK+XDEL. Nothing is encoded,
+teacher XREADGROUP (8) / per entry MULTI of SET payload + XADD header (the claim check) / XACK+XDEL ->
+feeder XREADGROUP (8) / XADD of one batch manifest per ``batch_groups`` entries / XACK+XDEL -> learner
+XREADGROUP (1) / MGET of the batch's payloads / XACK+XDEL / DEL of the payloads. Nothing is encoded,
 decoded, validated or scored: payloads are bytes made once. ``producer=True`` writes every entry with
 ``StreamProducer.send_raw`` instead of a plain XADD (distillq's write protocol: dedupe markers, backlog
 cap, atomic add), which prices that protocol apart from the stages' logic.
@@ -20,6 +21,7 @@ import redis.asyncio as aioredis
 
 from bench.transport import Meter, Window, Workload, client, drop_namespace, new_group, stream_settings
 from pipeline.batching import BatchingConfig, Pending, build_batch
+from pipeline.claimcheck import encode_header, header_of
 from pipeline.keys import Keys
 from pipeline.producer import StreamProducer
 from schemas import encode
@@ -40,12 +42,15 @@ class StubPipeline:
 
     @classmethod
     async def build(cls, url: str, keys: Keys, work: Workload, *, producer: bool = False) -> StubPipeline:
-        """Payloads as large as distillq's: a rollout, a scored group and a train batch of them."""
+        """Payloads as large as distillq's: a rollout, a scored group, its header and a batch manifest."""
         rollout = work.rollout()
         scored = synthetic_scored(rollout, work.k)
         groups = [msgspec.structs.replace(scored, group=new_group(rollout, f"g{i}")) for i in range(work.batch_groups)]
-        batch = build_batch([Pending(str(i), g) for i, g in enumerate(groups)], 1.0, 0, BatchingConfig()).batch
-        payloads = {"rollout": encode(rollout), "scored": encode(scored), "batch": encode(batch)}
+        key = keys.payload(keys.stream("scored"), "g0", "0123456789ab")
+        batch = build_batch([Pending(str(i), header_of(g), key) for i, g in enumerate(groups)], 1.0, 0,
+                            BatchingConfig()).batch
+        payloads = {"rollout": encode(rollout), "scored": encode(scored), "batch": encode(batch),
+                    "header": encode_header(scored)}
         stub = cls(url, keys, work, payloads, producer)
         r = stub._client()
         for name in ("rollouts", "scored", "batches"):
@@ -57,11 +62,18 @@ class StubPipeline:
         return self.clients[-1]
 
     async def add(self, r: aioredis.Redis, stream: str, kind: bytes, gid: str, data: bytes) -> None:
+        header = self.payloads["header"] if stream == "scored" else None
         if self.producer:
             p = self.producers.get((id(r), stream))
             if p is None:
                 p = self.producers[id(r), stream] = StreamProducer(r, self.keys, stream, stream_settings())
-            await p.send_raw(data, kind, gid)
+            await p.send_raw(data, kind, gid, header=header)
+        elif header is not None:  # the claim check: payload in its own key, header in the entry
+            key = self.keys.payload(self.keys.stream(stream), gid, "0123456789ab")
+            async with r.pipeline(transaction=True) as pipe:
+                pipe.set(key, data)
+                pipe.xadd(self.keys.stream(stream), {b"t": kind, b"gid": gid.encode(), b"h": header, b"p": key})
+                await pipe.execute()
         else:
             await r.xadd(self.keys.stream(stream), {b"t": kind, b"gid": gid.encode(), b"d": data})
 
@@ -97,20 +109,27 @@ class StubPipeline:
                     await self.ack(r_teach, "rollouts", [e for e, _ in entries])
 
         async def feeder() -> None:
-            held: list[bytes] = []
+            held: list[tuple[bytes, bytes]] = []
             n = 0
             while not stop.is_set():
-                held += [e for e, _ in await self.read(r_feed, "scored", READ)]
+                held += [(e, f[b"p"]) for e, f in await self.read(r_feed, "scored", READ)]
                 while len(held) >= per_batch:
                     take, held = held[:per_batch], held[per_batch:]
+                    # The manifest's bytes are fixed; the learner gets the real keys from a side table.
+                    refs[f"b{n}"] = [k for _, k in take]
                     await self.add(r_feed, "batches", b"batch", f"b{n}", p["batch"])
-                    await self.ack(r_feed, "scored", take)
+                    await self.ack(r_feed, "scored", [e for e, _ in take])
                     n += 1
+
+        refs: dict[str, list[bytes]] = {}
 
         async def learner() -> None:
             while not stop.is_set():
-                for eid, _f in await self.read(r_learn, "batches", 1):
+                for eid, f in await self.read(r_learn, "batches", 1):
+                    blobs = refs.pop(f[b"gid"].decode())
+                    await r_learn.mget(blobs)
                     await self.ack(r_learn, "batches", [eid])
+                    await r_learn.delete(*blobs)
                     meter.add(per_batch)
                     await win.release(per_batch)
 

@@ -1,5 +1,9 @@
 """Trainer-feeder stage logic (no Redis): staleness filter, whole-group batching, per-token advantages.
 
+The feeder batches from each scored group's header (``GroupHeader``: version, status, sizes, KL sums) and
+writes a ``BatchManifest`` of payload keys (``pipeline.claimcheck``); the learner client turns the
+manifest and the fetched groups into a ``TrainBatch`` with ``materialize``, which computes the advantages.
+
 Advantages, per sequence, on trainable positions p (``loss_mask[p] == 1``), with the teacher's
 logits-aligned row ``r = p - 1``:
 
@@ -9,7 +13,7 @@ logits-aligned row ``r = p - 1``:
 Groups without a teacher payload (dropped or skipped) get the task-reward term only (``keep``) or are
 left out (``drop``). ``batch_kl`` is the mean of ``student - teacher`` sampled-token logprob over the
 trainable positions of the batch: the Monte-Carlo estimate of KL(student || teacher) that the KL
-controller tracks.
+controller tracks (from the headers' ``kl_sum``/``kl_tokens``, see ``pipeline.claimcheck.group_kl``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from schemas import Array, DistillStatus, ScoredGroup, TrainBatch
+from schemas import Array, BatchManifest, DistillStatus, GroupHeader, GroupRef, ScoredGroup, TrainBatch
 from schemas.arrays import FLOAT32
 
 log = structlog.get_logger("distillq.feeder")
@@ -51,39 +55,48 @@ class BatchingConfig:
 
 @dataclass(slots=True)
 class Pending:
-    """A scored group waiting for a batch, with the stream entry that carried it."""
+    """A scored group waiting for a batch: its header, where its payload is, the entry that carried it."""
 
     entry_id: str
-    group: ScoredGroup
+    header: GroupHeader
+    key: str = ""  # the payload key (pipeline.claimcheck)
     arrived: float = field(default_factory=time.monotonic)
     ref: Any = None  # the transport's handle for acknowledging the entry (a Delivery)
 
     @property
+    def group_id(self) -> str:
+        return self.header.group_id
+
+    @property
     def tokens(self) -> int:
-        return self.group.group.num_tokens
+        return self.header.tokens
 
     @property
     def longest(self) -> int:
-        return max(s.length for s in self.group.group.sequences)
+        return self.header.longest
+
+    @property
+    def sequences(self) -> int:
+        return self.header.sequences
 
 
-def is_stale(group: ScoredGroup, current_version: int, max_staleness: int | None) -> bool:
-    return max_staleness is not None and current_version - group.group.policy_version > max_staleness
+def is_stale(h: GroupHeader, current_version: int, max_staleness: int | None) -> bool:
+    return max_staleness is not None and current_version - h.policy_version > max_staleness
 
 
-def admit(group: ScoredGroup, current_version: int, cfg: BatchingConfig) -> str | None:
-    """Why ``group`` must not be batched (``None`` if it may)."""
-    if is_stale(group, current_version, cfg.max_staleness):
+def admit(h: GroupHeader, current_version: int, cfg: BatchingConfig) -> str | None:
+    """Why the group of header ``h`` must not be batched (``None`` if it may)."""
+    if is_stale(h, current_version, cfg.max_staleness):
         return "stale"
-    if group.status is not DistillStatus.OK and cfg.missing_distill == "drop":
-        return f"no_distill_{group.status.value}"
+    if h.status is not DistillStatus.OK and cfg.missing_distill == "drop":
+        return f"no_distill_{h.status.value}"
     return None
 
 
 def _cost(items: list[Pending], cfg: BatchingConfig) -> int:
     if cfg.token_count == "sum":
         return sum(p.tokens for p in items)
-    return sum(len(p.group.group.sequences) for p in items) * max((p.longest for p in items), default=0)
+    return sum(p.sequences for p in items) * max((p.longest for p in items), default=0)
 
 
 def take_batch(buffer: list[Pending], cfg: BatchingConfig, *, flush: bool = False) -> list[Pending] | None:
@@ -105,7 +118,7 @@ def take_batch(buffer: list[Pending], cfg: BatchingConfig, *, flush: bool = Fals
     seqs = tokens = longest = 0  # running totals: the cost of a candidate is O(1)
     for i in order:
         p = buffer[i]
-        n_seqs, n_tok, n_long = seqs + len(p.group.group.sequences), tokens + p.tokens, max(longest, p.longest)
+        n_seqs, n_tok, n_long = seqs + p.sequences, tokens + p.tokens, max(longest, p.longest)
         cost = n_tok if cfg.token_count == "sum" else n_seqs * n_long
         if chosen and cost > cfg.max_batch_tokens:
             full = True
@@ -126,60 +139,60 @@ def take_batch(buffer: list[Pending], cfg: BatchingConfig, *, flush: bool = Fals
     return picked
 
 
-def sequence_advantages(
-    g: ScoredGroup, kl_coef: float, reward_weight: float
-) -> tuple[list[npt.NDArray[np.float32]], float, int]:
-    """Per-token advantages of each sequence, the sum of (student - teacher) logprob, and its count."""
+def sequence_advantages(g: ScoredGroup, kl_coef: float, reward_weight: float) -> list[npt.NDArray[np.float32]]:
+    """Per-token advantages of each sequence of ``g`` (see the module docstring).
+
+    Masked positions are zeroed by multiplying with the 0/1 loss mask, so the arrays must be finite
+    (``decode`` checks that by default).
+    """
     seqs = g.group.sequences
-    scores = np.array([s.score for s in seqs], dtype=np.float64)
-    reward_adv = (scores - scores.mean()) / (scores.std() + 1e-6) if len(seqs) > 1 else np.zeros(len(seqs))
+    if reward_weight and len(seqs) > 1:
+        scores = np.array([s.score for s in seqs], dtype=np.float64)
+        reward = reward_weight * (scores - scores.mean()) / (scores.std() + 1e-6)
+    else:
+        reward = np.zeros(len(seqs))
+    coef = np.float32(kl_coef)
     out: list[npt.NDArray[np.float32]] = []
-    kl_sum, kl_n = 0.0, 0
     for i, s in enumerate(seqs):
-        mask = s.loss_mask.numpy().astype(bool)
-        adv = np.zeros(s.length, dtype=np.float32)
-        zeroed = bool((s.overrides or {}).get("set_advantage_to_zero"))  # reference semantics: no signal at all
-        if reward_weight and not zeroed:
-            adv[mask] += np.float32(reward_weight * reward_adv[i])
-        if g.teacher is not None and s.logprobs is not None and s.length > 1 and not zeroed:
-            q = g.teacher[i].sampled_logprobs.numpy().astype(np.float32)  # row r -> token r + 1
-            student = s.logprobs.numpy()[1:]
-            m = mask[1:]
-            diff = q[m] - student[m]
-            adv[1:][m] += np.float32(kl_coef) * diff
-            kl_sum += float(-diff.sum(dtype=np.float64))
-            kl_n += int(m.sum())
+        n = s.length
+        adv = np.zeros(n, dtype=np.float32)
         out.append(adv)
-    return out, kl_sum, kl_n
+        if (s.overrides or {}).get("set_advantage_to_zero"):  # reference semantics: no signal at all
+            continue
+        if g.teacher is not None and s.logprobs is not None and n > 1:
+            # Row r of the teacher predicts token r + 1: it pairs with the student's logprob at r + 1.
+            np.subtract(g.teacher[i].sampled_logprobs.numpy(), s.logprobs.numpy()[1:], out=adv[1:], dtype=np.float32)
+            adv[1:] *= coef
+        if reward[i]:
+            adv += np.float32(reward[i])
+        adv *= s.loss_mask.numpy().view(np.uint8)
+    return out
 
 
 @dataclass
 class BuiltBatch:
-    batch: TrainBatch
+    batch: BatchManifest
     observed_kl: float | None  # mean (student - teacher) sampled-token logprob; None without teacher data
     entry_ids: list[str]
     refs: list[Any]
 
 
 def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: BatchingConfig) -> BuiltBatch:
-    """A ``TrainBatch`` of ``items`` (whole groups, in order) with advantages and per-batch stats."""
-    advantages: list[Array] = []
+    """A ``BatchManifest`` of ``items`` (whole groups, in order) with per-batch stats, from headers alone."""
     kl_sum, kl_n = 0.0, 0
-    lengths: list[int] = []
+    tokens = seqs = longest = 0
     staleness: Counter[int] = Counter()
     without = 0
     for p in items:
-        advs, s, n = sequence_advantages(p.group, kl_coef, cfg.reward_weight)
-        advantages += [Array.from_numpy(a, FLOAT32) for a in advs]
-        kl_sum, kl_n = kl_sum + s, kl_n + n
-        lengths += [seq.length for seq in p.group.group.sequences]
-        staleness[policy_version - p.group.group.policy_version] += 1
-        without += p.group.status is not DistillStatus.OK
-    tokens = sum(lengths)
-    padded = len(lengths) * max(lengths, default=0)
+        h = p.header
+        kl_sum, kl_n = kl_sum + h.kl_sum, kl_n + h.kl_tokens
+        tokens, seqs, longest = tokens + h.tokens, seqs + h.sequences, max(longest, h.longest)
+        staleness[policy_version - h.policy_version] += 1
+        without += h.status is not DistillStatus.OK
+    padded = seqs * longest
     observed = kl_sum / kl_n if kl_n else None
     stats: dict[str, float] = {
-        "groups": float(len(items)), "sequences": float(len(lengths)), "tokens": float(tokens),
+        "groups": float(len(items)), "sequences": float(seqs), "tokens": float(tokens),
         "padding_fraction": 1.0 - tokens / padded if padded else 0.0,
         "no_distill_share": without / len(items) if items else 0.0,
         "kl_coef": kl_coef,
@@ -188,8 +201,20 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
         stats["reverse_kl"] = observed
     for lag, n in sorted(staleness.items()):
         stats[f"staleness_{lag}"] = float(n)
-    batch = TrainBatch(
-        batch_id=uuid.uuid4().hex, groups=[p.group for p in items], advantages=advantages, kl_coef=kl_coef,
-        policy_version=policy_version, created_at=time.time(), stats=stats,
+    manifest = BatchManifest(
+        batch_id=uuid.uuid4().hex, refs=[GroupRef(p.group_id, p.key, p.entry_id) for p in items], kl_coef=kl_coef,
+        reward_weight=cfg.reward_weight, policy_version=policy_version, created_at=time.time(), stats=stats,
     )
-    return BuiltBatch(batch, observed, [p.entry_id for p in items], [p.ref for p in items])
+    return BuiltBatch(manifest, observed, [p.entry_id for p in items], [p.ref for p in items])
+
+
+def materialize(manifest: BatchManifest, groups: list[ScoredGroup]) -> TrainBatch:
+    """The ``TrainBatch`` a manifest stands for, given its groups (fetched and validated, in order)."""
+    advantages: list[Array] = []
+    for g in groups:
+        advantages += [Array(FLOAT32, a.shape, a.data.cast("B")) for a in
+                       sequence_advantages(g, manifest.kl_coef, manifest.reward_weight)]
+    return TrainBatch(
+        batch_id=manifest.batch_id, groups=groups, advantages=advantages, kl_coef=manifest.kl_coef,
+        policy_version=manifest.policy_version, created_at=manifest.created_at, stats=manifest.stats,
+    )

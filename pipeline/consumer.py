@@ -8,6 +8,11 @@
   with history and a stream's length equals its backlog (the producer's backpressure relies on it).
 * ``dead_letter`` writes stage, reason and the original fields to the DLQ, then acks the entry (in that
   order: a crash between the two leaves a duplicate dead letter, never a lost entry).
+* Claim-checked entries (``pipeline.claimcheck``: a header and the key of the payload) are resolved on
+  read, so ``Delivery.payload`` is the payload either way, and ``ack`` deletes the payload key with the
+  entry. A consumer built with ``resolve_payloads=False`` (the feeder) reads headers only and passes the
+  payloads on (``ack(..., keep_payloads=True)``). An entry whose payload key is gone is dead-lettered
+  (``payload_missing``), never handed out.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from redis.exceptions import ResponseError
 from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.keys import Keys
-from pipeline.producer import F_DATA, F_ID, F_TYPE
+from pipeline.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
 
 log = structlog.get_logger("distillq.consumer")
 
@@ -45,6 +50,17 @@ class Delivery:
         return self.fields.get(F_DATA, b"")
 
     @property
+    def header(self) -> bytes | None:
+        """A claim-checked entry's header (``pipeline.claimcheck``), else ``None``."""
+        return self.fields.get(F_HEADER)
+
+    @property
+    def payload_key(self) -> str | None:
+        """The key holding a claim-checked entry's payload, else ``None``."""
+        ref = self.fields.get(F_REF)
+        return ref.decode() if ref is not None else None
+
+    @property
     def group_id(self) -> str:
         return self.fields.get(F_ID, b"").decode("utf-8", "replace")
 
@@ -57,6 +73,20 @@ class Delivery:
         """Seconds since the entry was added (from its stream id)."""
         ms = int(self.entry_id.split("-", 1)[0])
         return max(0.0, self.received_at - ms / 1000)
+
+
+async def resolve_payloads(redis: aioredis.Redis, entries: Sequence[dict[bytes, bytes]]) -> list[bool]:
+    """Put each claim-checked entry's payload into its fields (``F_DATA``), in one MGET.
+
+    All entries must come from one stream key (their payload keys share its hash slot). Returns, per
+    entry, whether its payload is there (inline entries: always).
+    """
+    todo = [f for f in entries if F_REF in f and F_DATA not in f]
+    values: list[bytes | None] = await redis.mget([f[F_REF] for f in todo]) if todo else []
+    for f, v in zip(todo, values, strict=True):
+        if v is not None:
+            f[F_DATA] = v
+    return [F_DATA in f for f in entries]
 
 
 def _entry_id(raw: bytes | str) -> str:
@@ -79,8 +109,10 @@ class StreamConsumer:
         clock: Callable[[], float] = time.monotonic,
         shard: int | None = None,
         shards: int = 1,
+        resolve_payloads: bool = True,
     ) -> None:
         self.redis, self.keys, self.stream, self.name = redis, keys, stream, name
+        self.resolve_payloads = resolve_payloads
         self.settings = settings or StreamSettings()
         self.shard = shard
         self.key = keys.stream(stream, shard, shards)
@@ -123,7 +155,18 @@ class StreamConsumer:
                         self.owned.add(out[-1].entry_id)
         if out:
             metrics.CONSUMED.labels(self.stream, "new").inc(sum(not d.reclaimed for d in out))
+        if self.resolve_payloads and any(F_REF in d.fields and F_DATA not in d.fields for d in out):
+            out = await self._resolve(out)
         return out
+
+    async def _resolve(self, out: list[Delivery]) -> list[Delivery]:
+        """Fetch claim-checked payloads (one MGET: every key is in this stream's hash slot)."""
+        present = await resolve_payloads(self.redis, [d.fields for d in out])
+        for d, ok in zip(out, present, strict=True):
+            if not ok:
+                metrics.PAYLOAD_MISSING.labels(self.stage).inc()
+                await self.dead_letter(d, f"payload_missing: key {d.payload_key} is gone (deleted or evicted)")
+        return [d for d, ok in zip(out, present, strict=True) if ok]
 
     async def _read_own_pending(self, count: int) -> list[Delivery]:
         cursor = self._own_cursor or "0"
@@ -198,14 +241,18 @@ class StreamConsumer:
         for d in deliveries:
             self.owned.discard(d.entry_id)
 
-    async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """Acknowledge and delete entries, in one round trip."""
+    async def ack(self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False) -> None:
+        """Acknowledge and delete entries (and their claim-checked payloads unless ``keep_payloads``), in
+        one round trip."""
         ids = [d.entry_id for d in deliveries]
         if not ids:
             return
+        blobs = [] if keep_payloads else [d.fields[F_REF] for d in deliveries if F_REF in d.fields]
         async with self.redis.pipeline(transaction=False) as p:
             p.xack(self.key, self.group, *ids)
             p.xdel(self.key, *ids)
+            if blobs:
+                p.delete(*blobs)
             await p.execute()
         self.owned.difference_update(ids)
         metrics.ACKED.labels(self.stream).inc(len(ids))
@@ -222,6 +269,10 @@ class StreamConsumer:
             "consumer": self.name,
             "at_ms": int(time.time() * 1000),
         }
+        if F_REF in d.fields and F_DATA not in d.fields:  # keep the payload with the dead letter
+            blob = await self.redis.get(d.fields[F_REF])
+            if blob is not None:
+                d.fields[F_DATA] = blob
         for k, v in d.fields.items():
             fields[b"orig_" + k] = v
         await self.redis.xadd(self.keys.dlq, fields)  # type: ignore[arg-type]

@@ -1,5 +1,10 @@
 """Trainer-feeder worker: scored groups in, train batches out (Redis I/O around ``pipeline.batching``).
 
+The feeder reads only the headers of scored entries (``pipeline.claimcheck``) and writes batches by
+reference (``BatchManifest``); it never fetches, decodes or re-writes a group's payload, which stays in
+its key until the learner acknowledges the batch. An entry written inline (a writer from before the
+claim check) is validated and its payload moved to a key first.
+
 Scored entries stay pending (their leases renewed) until the batch holding their group is written;
 only then are they acknowledged. A crash therefore loses nothing: a restarted feeder gets them again,
 and the batches stream's per-group dedupe keeps any group from reaching the learner twice. Stale
@@ -21,15 +26,23 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline import metrics
 from pipeline.batching import BatchingConfig, Pending, admit, build_batch, take_batch
+from pipeline.claimcheck import decode_header, header_of
 from pipeline.config import StreamSettings
 from pipeline.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.consumer import Delivery
 from pipeline.keys import Keys
 from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
-from pipeline.producer import AddResult, BackpressureTimeout, MessageTooLarge, ProducerStopped, StreamProducer
+from pipeline.producer import (
+    F_REF,
+    AddResult,
+    BackpressureTimeout,
+    MessageTooLarge,
+    ProducerStopped,
+    StreamProducer,
+)
 from pipeline.runloop import Heartbeat, RunStats, default_consumer_name, renew_leases
-from pipeline.sharding import make_consumer
-from schemas import DecodeError, ScoredGroup, decode
+from pipeline.sharding import ShardedConsumer, make_consumer
+from schemas import DecodeError, GroupHeader, ScoredGroup, decode
 
 log = structlog.get_logger("distillq.feeder")
 
@@ -71,7 +84,7 @@ class Feeder:
         self.controller = controller
         self.name = consumer_name or default_consumer_name("feeder")
         self.consumer = make_consumer(redis, keys, "scored", self.name, s, stage="feeder", shards=shards,
-                                      assigned=assigned)
+                                      assigned=assigned, resolve_payloads=False)
         self.producer = StreamProducer(redis, keys, "batches", s)
         self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s)
         self.max_buffered = max_buffered_groups
@@ -150,23 +163,40 @@ class Feeder:
 
     async def _admit(self, d: Delivery) -> None:
         try:
-            g = decode(d.payload, self.limits, expect=ScoredGroup)
+            h, key = await self._header(d)
         except DecodeError as e:
             metrics.DECODE_ERRORS.labels("feeder").inc()
             reason = f"decode_error: {e}"
             await retry_transient(functools.partial(self.consumer.dead_letter, d, reason), deadline_s=60)
             self._count("dead_letter")
             return
-        STALENESS.observe(max(0, self.state.policy_version - g.group.policy_version))
-        why = admit(g, self.state.policy_version, self.cfg)
+        STALENESS.observe(max(0, self.state.policy_version - h.policy_version))
+        why = admit(h, self.state.policy_version, self.cfg)
         if why is not None:
             DROPPED.labels(why.split("_", 2)[0] if why.startswith("no_distill") else why).inc()
-            log.info("group_not_batched", group_id=g.group_id, reason=why,
-                     group_version=g.group.policy_version, current_version=self.state.policy_version)
-            await retry_transient(lambda: self.consumer.ack([d]), deadline_s=60)
+            log.info("group_not_batched", group_id=h.group_id, reason=why,
+                     group_version=h.policy_version, current_version=self.state.policy_version)
+            await retry_transient(lambda: self.consumer.ack([d]), deadline_s=60)  # payload deleted with it
             self._count(why)
             return
-        self.state.buffer.append(Pending(d.entry_id, g, ref=d))
+        self.state.buffer.append(Pending(d.entry_id, h, key, ref=d))
+
+    async def _header(self, d: Delivery) -> tuple[GroupHeader, str]:
+        """The entry's header and payload key; an inline entry is validated and its payload moved to a key."""
+        if d.header is not None:
+            h, key = decode_header(d.header), d.payload_key
+            if key is None:
+                raise DecodeError("p", "claim-checked entry without a payload key")
+            if h.group_id != d.group_id:
+                raise DecodeError("h.group_id", f"{h.group_id!r} != entry group id {d.group_id!r}")
+            return h, key
+        g = decode(d.payload, self.limits, expect=ScoredGroup)
+        c = self.consumer
+        stream_key = c.parts[d.shard].key if isinstance(c, ShardedConsumer) else c.key
+        key = self.keys.payload(stream_key, g.group_id, f"e{d.entry_id}")  # one key per entry: retries reuse it
+        await retry_transient(functools.partial(self.redis.set, key, d.payload), deadline_s=60)
+        d.fields[F_REF] = key.encode()
+        return header_of(g, len(d.payload)), key
 
     async def _write(self, items: list[Pending], stop: asyncio.Event) -> bool:
         """Write one batch, then ack its groups' entries. False if stopped while waiting for capacity."""
@@ -191,12 +221,12 @@ class Feeder:
             if added.result is AddResult.ADDED:
                 break
             dup = items.pop(added.duplicate_index)  # already in an earlier batch: never twice
-            log.warning("group_already_batched", group_id=dup.group.group_id, batch_entry=added.entry_id)
-            await self.consumer.ack([dup.ref])
+            log.warning("group_already_batched", group_id=dup.group_id, batch_entry=added.entry_id)
+            await self.consumer.ack([dup.ref], keep_payloads=True)  # the earlier batch references the payload
             self._count("already_batched")
         if not items:
             return True
-        await retry_transient(lambda: self.consumer.ack(built.refs), deadline_s=60)
+        await retry_transient(lambda: self.consumer.ack(built.refs, keep_payloads=True), deadline_s=60)
         if built.observed_kl is not None:
             self.controller.update(built.observed_kl, n_steps=1)
             await retry_transient(lambda: self.redis.set(self.keys.kl_state, self.controller.to_json()), deadline_s=60)

@@ -8,9 +8,11 @@ import json
 import time
 from typing import Any, Protocol
 
+from pipeline.claimcheck import decode_header
 from pipeline.config import StreamSettings
-from pipeline.producer import F_DATA, F_ID, F_TYPE
+from pipeline.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
 from schemas import (
+    BatchManifest,
     DecodeError,
     Limits,
     Message,
@@ -44,6 +46,13 @@ def summarize_message(msg: Message) -> dict[str, Any]:
         out = summarize_message(msg.group)
         out.update(type="scored", status=msg.status.value, reason=msg.reason, k=msg.k, teacher_id=msg.teacher_id)
         return out
+    if isinstance(msg, BatchManifest):
+        return {
+            "type": "batch", "batch_id": msg.batch_id, "groups": len(msg.refs),
+            "group_ids": [r.group_id for r in msg.refs], "policy_version": msg.policy_version,
+            "kl_coef": msg.kl_coef, "tokens": int((msg.stats or {}).get("tokens", 0)), "stats": msg.stats,
+            "by_reference": True,
+        }
     assert isinstance(msg, TrainBatch)
     return {
         "type": "batch", "batch_id": msg.batch_id, "groups": len(msg.groups),
@@ -71,6 +80,16 @@ def summarize_entry(entry_id: str, fields: dict[bytes, bytes], now: float | None
         )
         return base
     base["bytes"] = len(fields.get(F_DATA, b""))
+    if F_DATA not in fields and F_HEADER in fields:  # claim-checked, payload not fetched or already gone
+        try:
+            h = decode_header(fields[F_HEADER])
+        except DecodeError as e:
+            base.update(type=_s(fields.get(F_TYPE)), group_id=_s(fields.get(F_ID)), error=str(e))
+            return base
+        base.update(type=_s(fields.get(F_TYPE)), group_id=h.group_id, sequences=h.sequences, tokens=h.tokens,
+                    policy_version=h.policy_version, status=h.status.value, bytes=h.payload_bytes,
+                    payload=f"not available ({_s(fields.get(F_REF))})")
+        return base
     msg = decode_entry(fields)
     if isinstance(msg, DecodeError):
         base.update(type=_s(fields.get(F_TYPE)), group_id=_s(fields.get(F_ID)), error=str(msg))
@@ -117,6 +136,8 @@ def sequences_of(msg: Message) -> list[tuple[Sequence, TeacherPayload | None]]:
     """Every sequence of a message with its teacher payload (None when there is none)."""
     if isinstance(msg, RolloutGroup):
         return [(s, None) for s in msg.sequences]
+    if isinstance(msg, BatchManifest):
+        return []  # groups by reference: decode the scored entries instead
     groups = [msg] if isinstance(msg, ScoredGroup) else msg.groups
     out: list[tuple[Sequence, TeacherPayload | None]] = []
     for g in groups:

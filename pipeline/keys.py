@@ -13,6 +13,9 @@ key                                                type          written by / me
 ``{ns:dlq}``                                       stream        any stage: dead letters (stage, reason, bytes)
 ``<stream key>:seen:<group id>``                   string (TTL)  producer: dedupe marker -> entry id written
 ``<stream key>:reserving``                         zset          producer: writes reserved, not yet done (cap)
+``<scored stream key>:payload:<group id>:<n>``     string        teacher: a scored group's bytes (claim check,
+                                                                 ``pipeline.claimcheck``); deleted by the learner
+                                                                 client when it acks the batch holding the group
 ``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
 ``ns:policy_version``                              string        learner: current policy version (int)
 ``ns:kl``                                          string        feeder: KL controller state (JSON)
@@ -121,6 +124,12 @@ class Keys:
     def seen(self, stream: str, group_id: str, shards: int = 1) -> str:
         """Dedupe marker for ``group_id`` on ``stream`` (same hash slot as the stream key it goes to)."""
         return f"{self.stream_for(stream, group_id, shards)}:seen:{group_id}"
+
+    @staticmethod
+    def payload(stream_key: str, group_id: str, nonce: str) -> str:
+        """Where a claim-checked entry's payload lives (same hash slot as ``stream_key``); ``nonce`` is
+        unique per write, so two writes of one group (without dedupe) never share a payload."""
+        return f"{stream_key}:payload:{group_id}:{nonce}"
 
     @staticmethod
     def reservations(stream_key: str) -> str:

@@ -12,13 +12,17 @@ the policy version.
 
 Batches are read through the ``learner`` consumer group under a stable consumer name (default
 ``learner-0``): a restarted learner first gets back every batch it had read but not acknowledged.
-Arrays are zero-copy numpy views into the received message.
+The feeder writes batches by reference (``BatchManifest``): the client fetches the groups' payloads in
+one round trip, validates every value, computes the per-token advantages (``pipeline.batching``) and
+deletes the payloads when the batch is acknowledged. A group whose payload is invalid or gone is
+dead-lettered (stage ``learner``, with its bytes) and left out of the batch; the rest trains.
+Arrays are zero-copy numpy views into the received payloads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -28,11 +32,14 @@ import numpy.typing as npt
 import redis.asyncio as aioredis
 import structlog
 
+from pipeline import metrics
+from pipeline.batching import materialize
 from pipeline.config import StreamSettings, redis_settings
-from pipeline.connection import connect
+from pipeline.connection import connect, retry_transient
 from pipeline.consumer import Delivery, StreamConsumer
 from pipeline.keys import Keys
-from schemas import DecodeError, Limits, TrainBatch, decode
+from pipeline.producer import F_DATA, F_ID, F_TYPE
+from schemas import BatchManifest, DecodeError, GroupRef, Limits, ScoredGroup, TrainBatch, decode
 
 log = structlog.get_logger("distillq.learner")
 
@@ -45,6 +52,7 @@ class LearnerBatch:
     batch: TrainBatch
     redelivered: bool
     delivery: Delivery
+    payload_keys: tuple[str, ...] = ()  # the groups' payloads, deleted on ack
 
     @property
     def group_ids(self) -> list[str]:
@@ -86,9 +94,9 @@ class AsyncLearner:
         self.redis = redis if redis is not None else connect(rs)
         self.settings = settings or StreamSettings()
         self.consumer = StreamConsumer(self.redis, self.keys, "batches", consumer_name, self.settings, stage="learner")
-        # Structural checks only by default: every value in a batch was validated by the feeder when it
-        # decoded the scored group (the batches stream has no other writer). Pass Limits() for full checks.
-        self.limits = limits or dataclasses.replace(self.settings.limits(), check_values=False)
+        # Full validation of every group (the feeder reads headers only; this is where values are checked).
+        self.limits = limits or self.settings.limits()
+        self._cluster = type(self.redis).__name__ == "RedisCluster"
         self._ready = False
 
     async def next_batch(self, timeout_s: float | None = None) -> LearnerBatch | None:
@@ -102,11 +110,61 @@ class AsyncLearner:
             block = self.settings.block_ms if end is None else max(1, int(1000 * min(1.0, end - loop.time())))
             for d in await self.consumer.read(1, block_ms=block):
                 try:
-                    return LearnerBatch(d.entry_id, decode(d.payload, self.limits, expect=TrainBatch), d.reclaimed, d)
+                    msg = decode(d.payload, self.limits)
+                    if not isinstance(msg, BatchManifest | TrainBatch):
+                        raise DecodeError("t", f"expected a BatchManifest or TrainBatch, got a {type(msg).__name__}")
                 except DecodeError as e:
                     await self.consumer.dead_letter(d, f"decode_error: {e}")
+                    continue
+                if isinstance(msg, TrainBatch):
+                    return LearnerBatch(d.entry_id, msg, d.reclaimed, d)
+                got = await self._materialize(d, msg)
+                if got is not None:
+                    return got
             if end is not None and loop.time() >= end:
                 return None
+
+    async def _materialize(self, d: Delivery, m: BatchManifest) -> LearnerBatch | None:
+        """Fetch, validate and weigh a manifest's groups; ``None`` (batch settled) if none is usable."""
+        keys = [r.key for r in m.refs]
+        raw: list[bytes | None] = (await self.redis.mget_nonatomic(keys) if self._cluster  # type: ignore[attr-defined]
+                                   else await self.redis.mget(keys)) if keys else []
+        groups: list[ScoredGroup] = []
+        for ref, data in zip(m.refs, raw, strict=True):
+            if data is None:
+                metrics.PAYLOAD_MISSING.labels("learner").inc()
+                await self._dead_letter_group(d, m, ref, None, f"payload_missing: key {ref.key} is gone")
+                continue
+            try:
+                g = decode(data, self.limits, expect=ScoredGroup)
+                if g.group_id != ref.group_id:
+                    raise DecodeError("group.group_id", f"{g.group_id!r} != the batch's reference {ref.group_id!r}")
+            except DecodeError as e:
+                metrics.DECODE_ERRORS.labels("learner").inc()
+                await self._dead_letter_group(d, m, ref, data, f"decode_error: {e}")
+                continue
+            groups.append(g)
+        if not groups:
+            log.warning("batch_without_usable_groups", batch_id=m.batch_id, groups=len(m.refs))
+            await self.consumer.ack([d])
+            return None
+        return LearnerBatch(d.entry_id, materialize(m, groups), d.reclaimed, d, tuple(keys))
+
+    async def _dead_letter_group(
+        self, d: Delivery, m: BatchManifest, ref: GroupRef, data: bytes | None, reason: str
+    ) -> None:
+        """One group of a batch to the DLQ (its bytes, if any, replayable onto ``scored``), then delete it."""
+        fields: dict[bytes | str, bytes | str | int] = {
+            "stage": "learner", "reason": reason[:2000], "source": "scored", "source_id": ref.entry_id,
+            "batch_id": m.batch_id, "batch_entry": d.entry_id, "consumer": self.consumer.name,
+            "at_ms": int(time.time() * 1000), b"orig_" + F_TYPE: b"scored", b"orig_" + F_ID: ref.group_id,
+        }
+        if data is not None:
+            fields[b"orig_" + F_DATA] = data
+        await retry_transient(lambda: self.redis.xadd(self.keys.dlq, fields), deadline_s=60)  # type: ignore[arg-type]
+        await retry_transient(lambda: self.redis.delete(ref.key), deadline_s=60)
+        metrics.DEAD_LETTERED.labels("learner", reason.split(":", 1)[0][:64]).inc()
+        log.warning("group_dead_lettered", batch_id=m.batch_id, group_id=ref.group_id, reason=reason)
 
     async def batches(self, timeout_s: float | None = None) -> AsyncIterator[LearnerBatch]:
         """Batches until none arrives within ``timeout_s`` (forever if ``None``)."""
@@ -114,8 +172,13 @@ class AsyncLearner:
             yield b
 
     async def ack(self, batch: LearnerBatch) -> None:
-        """Call after the optimiser step: the batch will not be delivered again."""
+        """Call after the optimiser step: the batch will not be delivered again, and its groups' payloads
+        are deleted (after the batch is settled: a crash in between leaves them behind, never a batch
+        without its groups)."""
         await self.consumer.ack([batch.delivery])
+        if batch.payload_keys:
+            keys = list(batch.payload_keys)
+            await retry_transient(lambda: self.redis.delete(*keys), deadline_s=60)
 
     async def publish_policy_version(self, version: int) -> None:
         await self.redis.set(self.keys.policy_version, int(version))

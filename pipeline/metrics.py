@@ -19,6 +19,9 @@ CONSUMED: Final = Counter("distillq_consumed_total", "entries read from a stream
 ACKED: Final = Counter("distillq_acked_total", "entries acknowledged and deleted", ["stream"])
 DEAD_LETTERED: Final = Counter("distillq_dead_lettered_total", "entries sent to the DLQ", ["stage", "reason"])
 DECODE_ERRORS: Final = Counter("distillq_decode_errors_total", "undecodable entries", ["stage"])
+PAYLOAD_MISSING: Final = Counter(
+    "distillq_payload_missing_total", "claim-checked groups whose payload key was gone", ["stage"]
+)
 STAGE_MESSAGES: Final = Counter("distillq_stage_messages_total", "messages handled", ["stage", "outcome"])
 STAGE_LATENCY: Final = Histogram("distillq_stage_batch_seconds", "time to handle one read batch", ["stage"])
 QUEUE_LAG: Final = Histogram(

@@ -34,10 +34,11 @@ import redis.asyncio as aioredis
 import structlog
 
 from pipeline import metrics
+from pipeline.claimcheck import CLAIM_CHECKED, encode_header
 from pipeline.config import StreamSettings
 from pipeline.connection import Backoff, retry_transient
 from pipeline.keys import Keys
-from schemas import Message, RolloutGroup, ScoredGroup, TrainBatch, encode
+from schemas import BatchManifest, Message, RolloutGroup, ScoredGroup, TrainBatch, encode
 
 log = structlog.get_logger("distillq.producer")
 
@@ -70,26 +71,32 @@ for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3]) end
 return {1, '', -1}
 """
 
-# Redis Cluster: the same checks, and the XADD in the script too (payload in ARGV[4..]).
+# Redis Cluster: the same checks, and the XADD in the script too. KEYS: stream, [payload key if ARGV[4] is
+# 1], markers...; ARGV: cap, token, ttl ms, 1/0, payload for the payload key (or ''), entry fields...
 _RESERVE_AND_ADD: Final = """
-for i = 2, #KEYS do
+local first = 2 + tonumber(ARGV[4])
+for i = first, #KEYS do
   local v = redis.call('GET', KEYS[i])
   if v and v ~= ARGV[2] then
-    if string.sub(v, 1, 8) == 'pending:' then return {3, v, i - 2} end
-    return {2, v, i - 2}
+    if string.sub(v, 1, 8) == 'pending:' then return {3, v, i - first} end
+    return {2, v, i - first}
   end
 end
 local cap = tonumber(ARGV[1])
 if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, '', -1} end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
-for i = 2, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[3]) end
+if first == 3 then redis.call('SET', KEYS[2], ARGV[5]) end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 6))
+for i = first, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[3]) end
 return {1, id, -1}
 """
 
-#: Stream entry fields: message type, group (or batch) id, msgpack payload.
+#: Stream entry fields: message type, group (or batch) id, msgpack payload; on claim-checked streams
+#: (``pipeline.claimcheck``) a header and the payload's key instead of the payload.
 F_TYPE: Final = b"t"
 F_ID: Final = b"gid"
 F_DATA: Final = b"d"
+F_HEADER: Final = b"h"
+F_REF: Final = b"p"
 
 
 class BackpressureTimeout(TimeoutError):
@@ -117,7 +124,7 @@ class Added:
 
 
 def message_type(msg: Message) -> bytes:
-    return {RolloutGroup: b"rollout", ScoredGroup: b"scored", TrainBatch: b"batch"}[type(msg)]
+    return {RolloutGroup: b"rollout", ScoredGroup: b"scored", TrainBatch: b"batch", BatchManifest: b"batch"}[type(msg)]
 
 
 def is_written(marker: bytes | None) -> bool:
@@ -128,6 +135,8 @@ def is_written(marker: bytes | None) -> bool:
 def dedupe_ids(msg: Message) -> list[str]:
     if isinstance(msg, TrainBatch):
         return [g.group_id for g in msg.groups]
+    if isinstance(msg, BatchManifest):
+        return [r.group_id for r in msg.refs]
     return [message_id(msg)]
 
 
@@ -160,6 +169,7 @@ class StreamProducer:
         self._reserve = redis.register_script(_RESERVE)
         self._reserve_and_add = redis.register_script(_RESERVE_AND_ADD)
         self._cluster = type(redis).__name__ == "RedisCluster"  # no MULTI there: one script does it all
+        self.claim_check = stream in CLAIM_CHECKED  # header in the entry, payload in its own key
 
     async def send(self, msg: Message, *, stop: asyncio.Event | None = None, token: str | None = None) -> Added:
         """Encode and add ``msg``; waits while the stream is full. Idempotent by group id.
@@ -167,8 +177,10 @@ class StreamProducer:
         ``token`` names the reservation: a stage passes one derived from its input entry, so that after a
         crash between reservation and write, the redelivered input resumes the same reservation.
         """
-        return await self.send_raw(encode(msg), message_type(msg), message_id(msg), dedupe_ids(msg), stop=stop,
-                                   token=token)
+        payload = encode(msg)
+        header = encode_header(msg, len(payload)) if self.claim_check else None
+        return await self.send_raw(payload, message_type(msg), message_id(msg), dedupe_ids(msg), stop=stop,
+                                   token=token, header=header)
 
     async def send_raw(
         self,
@@ -179,7 +191,9 @@ class StreamProducer:
         *,
         stop: asyncio.Event | None = None,
         token: str | None = None,
+        header: bytes | None = None,
     ) -> Added:
+        """Add an encoded message. On a claim-checked stream ``header`` (``pipeline.claimcheck``) is required."""
         s = self.settings
         if len(payload) > s.max_message_bytes:
             raise MessageTooLarge(f"{mtype.decode()} {mid}: {len(payload)} bytes exceeds max_message_bytes="
@@ -190,7 +204,14 @@ class StreamProducer:
             raise ValueError("a sharded stream dedupes by the message's own id only")
         markers = [self.keys.seen(self.stream, i, self.shards) for i in ids]
         reservations = self.keys.reservations(key)
-        fields: dict[bytes, bytes | str] = {F_TYPE: mtype, F_ID: mid, F_DATA: payload}
+        blob: tuple[str, bytes] | None = None  # (payload key, payload) for a claim-checked stream
+        if self.claim_check:
+            if header is None:
+                raise ValueError(f"stream {self.stream!r} is claim-checked: send_raw needs the group's header")
+            blob = (self.keys.payload(key, mid, uuid.uuid4().hex[:12]), payload)
+            fields: dict[bytes, bytes | str] = {F_TYPE: mtype, F_ID: mid, F_HEADER: header, F_REF: blob[0]}
+        else:
+            fields = {F_TYPE: mtype, F_ID: mid, F_DATA: payload}
         token = f"{_PENDING}{token or uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.backpressure_timeout_s
@@ -199,8 +220,9 @@ class StreamProducer:
         while True:
             if self._cluster:
                 flat = [x for kv in fields.items() for x in kv]
-                script, keys = self._reserve_and_add, [key, *markers]
-                args: list[bytes | str | int] = [s.max_backlog, token, s.dedupe_ttl_s * 1000, *flat]
+                script, keys = self._reserve_and_add, [key, *([blob[0]] if blob else []), *markers]
+                args: list[bytes | str | int] = [s.max_backlog, token, s.dedupe_ttl_s * 1000, int(blob is not None),
+                                                 blob[1] if blob else b"", *flat]
             else:
                 script, keys, args = self._reserve, [key, reservations, *markers], [s.max_backlog, token, RESERVE_MS]
             code, value, index = await retry_transient(
@@ -209,7 +231,8 @@ class StreamProducer:
                 deadline_s=max(1.0, deadline - loop.time()),
             )
             if code == 1:
-                entry = value.decode() if self._cluster else await self._write_retrying(key, fields, markers, token)
+                entry = (value.decode() if self._cluster
+                         else await self._write_retrying(key, fields, markers, token, blob))
                 metrics.PRODUCED.labels(self.stream).inc()
                 metrics.PRODUCED_BYTES.labels(self.stream).inc(len(payload))
                 if waited_since is not None:
@@ -232,21 +255,24 @@ class StreamProducer:
             await asyncio.sleep(min(backoff.next_delay() + 0.005, max(0.0, deadline - loop.time())))
 
     async def _write_retrying(
-        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str
+        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str,
+        blob: tuple[str, bytes] | None = None,
     ) -> str:
         attempts = 0
 
         async def write() -> str:
             nonlocal attempts
             attempts += 1
-            return await self._write(key, fields, markers, token, retry=attempts > 1)
+            return await self._write(key, fields, markers, token, blob, retry=attempts > 1)
 
         return await retry_transient(write, deadline_s=60)
 
     async def _write(
-        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str, *, retry: bool = False
+        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str,
+        blob: tuple[str, bytes] | None = None, *, retry: bool = False,
     ) -> str:
-        """XADD and mark the reserved markers written, atomically (MULTI/EXEC: same hash slot).
+        """XADD (and SET the claim-checked payload) and mark the reserved markers written, atomically
+        (MULTI/EXEC: same hash slot).
 
         Safe to retry after an ambiguous failure (EXEC ran, the reply was lost): if the first marker no
         longer holds this send's token, the write happened and is not repeated.
@@ -257,12 +283,15 @@ class StreamProducer:
             if current is not None and current.decode() != token:
                 return current.decode()  # written by this send already (the entry id, or "written")
         async with self.redis.pipeline(transaction=True) as p:
+            if blob is not None:
+                p.set(blob[0], blob[1])
             p.xadd(key, fields)  # type: ignore[arg-type]
             for m in markers:
                 p.set(m, "written", px=ttl)
             p.zrem(self.keys.reservations(key), token)  # the reservation now counts as the entry itself
             res = await p.execute()
-        entry = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
+        xadd = res[1 if blob is not None else 0]
+        entry = xadd.decode() if isinstance(xadd, bytes) else str(xadd)
         if markers:  # best effort: let duplicates report the entry they duplicate
             async with self.redis.pipeline(transaction=False) as p:
                 for m in markers:

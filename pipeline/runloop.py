@@ -37,11 +37,11 @@ from pipeline.consumer import Delivery
 from pipeline.keys import Keys
 from pipeline.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped, StreamProducer, is_written
 from pipeline.sharding import Consumer, make_consumer
-from schemas import DecodeError, Message, decode
+from schemas import DecodeError, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
 
 log = structlog.get_logger("distillq.runloop")
-M_in = TypeVar("M_in", bound=Message, contravariant=True)
-M = TypeVar("M", bound=Message)
+M_in = TypeVar("M_in", bound=RolloutGroup | ScoredGroup | TrainBatch, contravariant=True)
+M = TypeVar("M", bound=RolloutGroup | ScoredGroup | TrainBatch)
 
 
 @dataclass(frozen=True, slots=True)

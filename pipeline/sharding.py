@@ -77,12 +77,14 @@ class ShardedConsumer:
         shards: Sequence[int],
         total: int,
         stage: str | None = None,
+        resolve_payloads: bool = True,
     ) -> None:
         """Read ``shards`` (a subset of ``range(total)``) of ``stream``."""
         self.settings = settings or StreamSettings()
         self.stream = stream
         self.parts = {
-            i: StreamConsumer(redis, keys, stream, name, self.settings, stage=stage, shard=i, shards=total)
+            i: StreamConsumer(redis, keys, stream, name, self.settings, stage=stage, shard=i, shards=total,
+                              resolve_payloads=resolve_payloads)
             for i in shards
         }
         self._order = list(self.parts)
@@ -119,9 +121,9 @@ class ShardedConsumer:
             groups[d.shard].append(d)
         return groups
 
-    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+    async def ack(self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False) -> None:
         for shard, ds in self._by_shard(deliveries).items():
-            await self.parts[shard].ack(ds)
+            await self.parts[shard].ack(ds, keep_payloads=keep_payloads)
 
     async def dead_letter(self, d: Delivery, reason: str) -> None:
         await self.parts[d.shard].dead_letter(d, reason)
@@ -153,9 +155,10 @@ def make_consumer(
     stage: str | None = None,
     shards: int = 1,
     assigned: Sequence[int] | None = None,
+    resolve_payloads: bool = True,
 ) -> Consumer:
     """A plain consumer for an unsharded stream, else a ``ShardedConsumer`` over ``assigned`` shards."""
     if shards <= 1 or stream not in SHARDABLE:
-        return StreamConsumer(redis, keys, stream, name, settings, stage=stage)
+        return StreamConsumer(redis, keys, stream, name, settings, stage=stage, resolve_payloads=resolve_payloads)
     return ShardedConsumer(redis, keys, stream, name, settings, shards=list(assigned or range(shards)), total=shards,
-                           stage=stage)
+                           stage=stage, resolve_payloads=resolve_payloads)

@@ -113,7 +113,11 @@ class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True, tag="scored", tag_f
 
 
 class TrainBatch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="t"):
-    """Whole scored groups plus per-token advantages, ready for a learner step."""
+    """Whole scored groups plus per-token advantages, ready for a learner step.
+
+    What the learner client hands the learner. The feeder writes batches by reference
+    (``BatchManifest``); a ``TrainBatch`` written to the batches stream by value is accepted as well.
+    """
 
     batch_id: str
     groups: list[ScoredGroup]
@@ -125,4 +129,53 @@ class TrainBatch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_fie
     schema: int = SCHEMA_VERSION
 
 
-Message = RolloutGroup | ScoredGroup | TrainBatch
+class GroupHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """What the feeder needs to batch a scored group without reading its payload.
+
+    Written by the teacher worker in the ``h`` field of each ``scored`` entry, next to the key that holds
+    the payload (see ``pipeline.claimcheck``). ``kl_sum``/``kl_tokens``: the sum over trainable positions
+    of ``student - teacher`` sampled-token logprob and the number of those positions (sequences with
+    ``set_advantage_to_zero`` excluded), so the feeder's KL controller never needs the arrays.
+    """
+
+    group_id: str
+    policy_version: int
+    status: DistillStatus
+    sequences: int
+    tokens: int  # sum of sequence lengths
+    longest: int  # longest sequence
+    kl_sum: float = 0.0
+    kl_tokens: int = 0
+    payload_bytes: int = 0
+    created_at: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+
+class GroupRef(msgspec.Struct, frozen=True, array_like=True):
+    """A scored group held in Redis: its id, the key of its encoded ``ScoredGroup``, its scored entry."""
+
+    group_id: str
+    key: str
+    entry_id: str = ""
+
+
+class BatchManifest(msgspec.Struct, frozen=True, kw_only=True, tag="manifest", tag_field="t"):
+    """A train batch by reference: whole scored groups (oldest first) and how to weigh them.
+
+    The learner client fetches the groups' payloads, validates them, computes per-token advantages with
+    ``kl_coef`` and ``reward_weight`` (``pipeline.batching.sequence_advantages``) and hands the learner a
+    ``TrainBatch``; acknowledging the batch deletes the payloads. Group bytes thus cross Redis once on
+    their way from the teacher to the learner.
+    """
+
+    batch_id: str
+    refs: list[GroupRef]
+    kl_coef: float = 0.0
+    reward_weight: float = 0.0
+    policy_version: int = 0  # learner version the feeder saw when batching
+    created_at: float = 0.0
+    stats: dict[str, float] | None = None
+    schema: int = SCHEMA_VERSION
+
+
+Message = RolloutGroup | ScoredGroup | TrainBatch | BatchManifest

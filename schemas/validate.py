@@ -29,6 +29,7 @@ from schemas.arrays import (
 )
 from schemas.messages import (
     SCHEMA_VERSION,
+    BatchManifest,
     DistillStatus,
     Message,
     RolloutGroup,
@@ -284,5 +285,23 @@ def validate(msg: Message, limits: Limits) -> None:
         validate_rollout(msg, limits)
     elif isinstance(msg, ScoredGroup):
         validate_scored(msg, limits)
+    elif isinstance(msg, BatchManifest):
+        validate_manifest(msg, limits)
     else:
         validate_batch(msg, limits)
+
+
+def validate_manifest(m: BatchManifest, limits: Limits) -> None:
+    """A batch by reference: at least one group, each named once with a key; finite weights and stats."""
+    if not 1 <= len(m.refs) <= limits.max_sequences:
+        raise DecodeError("batch.refs", f"{len(m.refs)} groups outside [1, {limits.max_sequences}]")
+    seen: set[str] = set()
+    for i, r in enumerate(m.refs):
+        if not r.group_id or not r.key:
+            raise DecodeError(f"batch.refs[{i}]", "empty group id or payload key")
+        if r.group_id in seen:
+            raise DecodeError(f"batch.refs[{i}]", f"group {r.group_id!r} appears twice")
+        seen.add(r.group_id)
+    for name, v in (("kl_coef", m.kl_coef), ("reward_weight", m.reward_weight), *(m.stats or {}).items()):
+        if not np.isfinite(v):
+            raise DecodeError(f"batch.{name}", f"not finite: {v}")

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 
+from pipeline.claimcheck import encode_header
 from pipeline.cli.common import add_redis_args, run, with_redis
 from pipeline.config import StreamSettings
 from pipeline.inspect import one_line, summarize_entry, summarize_message
@@ -26,12 +27,12 @@ from pipeline.keys import Keys
 from pipeline.producer import F_DATA, BackpressureTimeout, StreamProducer, message_id, message_type
 from pipeline.sharding import get_shards
 from pipeline.streamstats import server_time
-from schemas import DecodeError, Limits, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
+from schemas import BatchManifest, DecodeError, Limits, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
 
 ORIG: Final = b"orig_"
 #: What each replay target accepts.
-TARGETS: Final[dict[str, type[RolloutGroup] | type[ScoredGroup] | type[TrainBatch]]] = {
-    "rollouts": RolloutGroup, "scored": ScoredGroup, "batches": TrainBatch,
+TARGETS: Final[dict[str, tuple[type[Message], ...]]] = {
+    "rollouts": (RolloutGroup,), "scored": (ScoredGroup,), "batches": (BatchManifest, TrainBatch),
 }
 _PAGE: Final = 100
 
@@ -162,9 +163,13 @@ def check_replay(fields: dict[bytes, bytes], to: str | None, limits: Limits) -> 
     if payload is None:
         return "no original payload (orig_d) in the dead letter"
     try:
-        return target, decode(payload, limits, expect=expect)
+        msg = decode(payload, limits)
     except DecodeError as e:
         return f"still invalid: {e}"
+    if not isinstance(msg, expect):
+        want = " or ".join(t.__name__ for t in expect)
+        return f"still invalid: t: expected a {want}, got a {type(msg).__name__}"
+    return target, msg
 
 
 async def replay_one(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[bytes, bytes] | None,
@@ -177,7 +182,9 @@ async def replay_one(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: d
     target, msg = checked
     gid = message_id(msg)
     producer = StreamProducer(redis, keys, target, settings, dedupe=False, shards=await get_shards(redis, keys))
-    added = await producer.send_raw(fields[ORIG + F_DATA], message_type(msg), gid)
+    payload = fields[ORIG + F_DATA]
+    header = encode_header(msg, len(payload)) if producer.claim_check else None
+    added = await producer.send_raw(payload, message_type(msg), gid, header=header)
     await redis.xdel(keys.dlq, entry_id)  # only after the write succeeded
     return ReplayResult(entry_id, True, f"-> {target} {added.entry_id} (group {gid})")
 

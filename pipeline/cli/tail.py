@@ -15,6 +15,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipeline.cli.common import add_redis_args, env_default, run, stream_name, with_redis
+from pipeline.consumer import resolve_payloads
 from pipeline.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
 from pipeline.keys import Keys
 from pipeline.sharding import get_shards
@@ -106,6 +107,7 @@ async def tail(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace,
     last: dict[str, str] = {}
     for key in stream_keys:  # the newest N over all shards, merged by entry id
         rows = await redis.xrevrange(key, count=args.count) if args.count > 0 else []
+        await resolve_payloads(redis, [fields for _, fields in rows])
         entries += [(_order(eid.decode()), eid.decode(), fields) for eid, fields in rows]
         last[key] = rows[0][0].decode() if rows else "$"
     for _, eid, fields in sorted(entries, key=lambda e: e[0])[-args.count :] if args.count > 0 else []:
@@ -115,6 +117,7 @@ async def tail(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace,
         for key in stream_keys:  # one key per XREAD: shards live in different hash slots
             resp = await redis.xread({key: last[key]}, block=block, count=100)
             for _stream, items in resp or ():
+                await resolve_payloads(redis, [fields for _, fields in items])
                 for eid, fields in items:
                     last[key] = eid.decode()
                     _print(render(args, last[key], fields, tokenizer))

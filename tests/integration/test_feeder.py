@@ -8,13 +8,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipeline.batching import BatchingConfig
+from pipeline.claimcheck import decode_header
 from pipeline.config import StreamSettings
 from pipeline.feeder import Feeder
 from pipeline.keys import Keys
 from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
 from pipeline.learner import AsyncLearner, Learner
 from pipeline.producer import StreamProducer
-from schemas import DistillStatus, ScoredGroup, TrainBatch, encode
+from schemas import BatchManifest, DistillStatus, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 
 pytestmark = pytest.mark.redis
@@ -37,19 +38,36 @@ async def push_scored(r: aioredis.Redis, keys: Keys, n: int, *, version: int = 0
     return ids
 
 
+def manifests(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[BatchManifest]:
+    out = [decode(f[b"d"]) for _, f in entries]
+    assert all(isinstance(m, BatchManifest) for m in out)
+    return out  # type: ignore[return-value]
+
+
+async def payload_keys(r: aioredis.Redis, keys: Keys) -> list[bytes]:
+    return sorted(await r.keys(f"{{{keys.namespace}:scored}}:payload:*"))
+
+
 async def test_feeder_batches_oldest_first_within_budget(r: aioredis.Redis, keys: Keys) -> None:
     ids = await push_scored(r, keys, 10)  # 32 tokens per group
+    assert len(await payload_keys(r, keys)) == 10  # claim check: entry = header + key of the payload
     feeder = Feeder(r, keys, BatchingConfig(max_batch_tokens=100, max_wait_s=3600), ConstantKL(0.1), fast())
     await asyncio.wait_for(feeder.run(asyncio.Event(), burst=True), 20)
-    entries = await r.xrange(keys.stream("batches"))
-    from schemas import decode
-
-    batches = [decode(f[b"d"], expect=TrainBatch) for _, f in entries]
-    order = [g.group_id for b in batches for g in b.groups]
+    batches = manifests(await r.xrange(keys.stream("batches")))
+    order = [ref.group_id for b in batches for ref in b.refs]
     assert order == ids  # oldest first, every group once
-    assert all(sum(g.group.num_tokens for g in b.groups) <= 100 for b in batches)
-    assert [len(b.groups) for b in batches] == [3, 3, 3, 1]
+    assert all(b.stats is not None and b.stats["tokens"] <= 100 for b in batches)
+    assert [len(b.refs) for b in batches] == [3, 3, 3, 1]
     assert await r.xlen(keys.stream("scored")) == 0
+    assert len(await payload_keys(r, keys)) == 10  # the feeder passed the payloads on untouched
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
+    got = [b async for b in learner.batches(timeout_s=0.5)]
+    assert [g for b in got for g in b.group_ids] == ids
+    for b in got:
+        assert [len(a.numpy()) for a in b.batch.advantages] == [s.length for g in b.batch.groups
+                                                               for s in g.group.sequences]
+        await learner.ack(b)
+    assert await payload_keys(r, keys) == []  # acked batches take their groups' payloads with them
 
 
 async def test_stale_groups_are_dropped_and_counted(r: aioredis.Redis, keys: Keys) -> None:
@@ -118,9 +136,7 @@ async def test_kl_controller_state_persists_across_restart(r: aioredis.Redis, ke
     await f2.restore_controller()
     assert f2.controller.value == pytest.approx(stored.value)
     await asyncio.wait_for(f2.run(asyncio.Event(), burst=True), 20)
-    from schemas import decode
-
-    coefs = [decode(f[b"d"], expect=TrainBatch).kl_coef for _, f in await r.xrange(keys.stream("batches"))]
+    coefs = [m.kl_coef for m in manifests(await r.xrange(keys.stream("batches")))]
     assert coefs[2] == pytest.approx(stored.value)  # the restarted feeder continued from the stored state
 
 
@@ -132,17 +148,22 @@ async def test_restarted_feeder_never_batches_a_group_twice(r: aioredis.Redis, k
     await f1.consumer.ensure_group()
     got = await f1.consumer.read(3)
     from pipeline.batching import Pending, build_batch
-    from schemas import decode
 
-    items = [Pending(d.entry_id, decode(d.payload, expect=ScoredGroup)) for d in got[:2]]
+    assert all(d.payload == b"" and d.header is not None for d in got)  # the feeder reads headers only
+    items = [Pending(d.entry_id, decode_header(d.header or b""), d.payload_key or "") for d in got[:2]]
     await f1.producer.send(build_batch(items, 0.1, 0, f1.cfg).batch)  # ... crash before XACK
     await asyncio.sleep(0.4)
     f2 = Feeder(r, keys, BatchingConfig(max_batch_groups=2, max_wait_s=0), ConstantKL(0.1), s, consumer_name="f2")
     stats = await asyncio.wait_for(f2.run(asyncio.Event(), burst=True), 20)
-    groups = [g.group_id for _, f in await r.xrange(keys.stream("batches"))
-              for g in decode(f[b"d"], expect=TrainBatch).groups]
+    groups = [ref.group_id for m in manifests(await r.xrange(keys.stream("batches"))) for ref in m.refs]
     assert sorted(groups) == ["g000", "g001", "g002"]  # each exactly once
     assert stats.outcomes["already_batched"] == 2
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
+    trained = []
+    async for b in learner.batches(timeout_s=0.5):
+        trained += [g.group_id for g in b.batch.groups]
+        await learner.ack(b)
+    assert sorted(trained) == ["g000", "g001", "g002"] and await payload_keys(r, keys) == []
 
 
 async def test_feeder_dead_letters_garbage_and_keeps_dropped_groups(r: aioredis.Redis, keys: Keys) -> None:
@@ -156,3 +177,47 @@ async def test_feeder_dead_letters_garbage_and_keeps_dropped_groups(r: aioredis.
     assert stats.outcomes["dead_letter"] == 2 and stats.outcomes["batched"] == 1
     reasons = [f[b"reason"].decode() for _, f in await r.xrange(keys.dlq)]
     assert all(x.startswith("decode_error") for x in reasons)
+
+
+async def test_inline_scored_entries_from_older_writers_still_reach_the_learner(
+    r: aioredis.Redis, keys: Keys
+) -> None:
+    g = synthetic_scored(synthetic_rollout(2, 16, group_id="legacy", seed=3), k=4, seed=3)
+    await r.xadd(keys.stream("scored"), {b"t": b"scored", b"gid": b"legacy", b"d": encode(g)})
+    await push_scored(r, keys, 1)
+    stats = await asyncio.wait_for(
+        Feeder(r, keys, BatchingConfig(max_wait_s=0), ConstantKL(0.1), fast()).run(asyncio.Event(), burst=True), 20)
+    assert stats.outcomes["batched"] == 2
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
+    got = [b async for b in learner.batches(timeout_s=0.5)]
+    back = {x.group_id: x for b in got for x in b.batch.groups}
+    assert set(back) == {"legacy", "g000"}
+    assert back["legacy"].teacher is not None and g.teacher is not None
+    assert bytes(back["legacy"].teacher[1].topk_ids.data) == bytes(g.teacher[1].topk_ids.data)
+    for b in got:
+        await learner.ack(b)
+    assert await payload_keys(r, keys) == []
+
+
+async def test_bad_header_and_bad_payload_are_dead_lettered_with_their_bytes(r: aioredis.Redis, keys: Keys) -> None:
+    """A corrupt header stops at the feeder; a corrupt payload behind a good header stops at the learner,
+    which trains on the rest of the batch. Both dead letters keep the payload bytes."""
+    await push_scored(r, keys, 3)
+    rows = await r.xrange(keys.stream("scored"))
+    (_, f0), (_, f1) = rows[0], rows[1]
+    await r.xadd(keys.stream("scored"), {**f0, b"h": b"\xc1not a header"})  # g000 again, header broken
+    await r.xdel(keys.stream("scored"), rows[0][0])
+    await r.set(f1[b"p"], b"\x93garbage payload")  # g001's payload corrupted in Redis
+    stats = await asyncio.wait_for(
+        Feeder(r, keys, BatchingConfig(max_wait_s=3600), ConstantKL(0.1), fast()).run(asyncio.Event(), burst=True),
+        20)
+    assert stats.outcomes["dead_letter"] == 1 and stats.outcomes["batched"] == 2
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
+    b = await learner.next_batch(timeout_s=2)
+    assert b is not None and b.group_ids == ["g002"]
+    await learner.ack(b)
+    dlq = {f[b"orig_gid"].decode(): f for _, f in await r.xrange(keys.dlq)}
+    assert dlq["g000"][b"stage"] == b"feeder" and dlq["g000"][b"reason"].startswith(b"decode_error: h")
+    assert decode(dlq["g000"][b"orig_d"], expect=ScoredGroup).group_id == "g000"  # the payload went with it
+    assert dlq["g001"][b"stage"] == b"learner" and dlq["g001"][b"orig_d"] == b"\x93garbage payload"
+    assert await payload_keys(r, keys) == []

@@ -70,7 +70,7 @@ def test_teacher_worker_end_to_end(tmp_path: Path, redis_url: str, keys: Keys, t
     r = redis.Redis.from_url(redis_url)
     out = {}
     for _, fields in r.xrange(keys.stream("scored")):
-        s = decode(fields[b"d"], expect=ScoredGroup)
+        s = decode(r.get(fields[b"p"]) or b"", expect=ScoredGroup)  # claim check: the payload's key
         out[s.group_id] = s
     assert set(out) == set(groups)  # every group flows on, failures included
     model = load_causal_lm(tiny.teacher)

@@ -9,8 +9,9 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from pipeline.claimcheck import decode_header
 from pipeline.config import StreamSettings
-from pipeline.consumer import StreamConsumer
+from pipeline.consumer import StreamConsumer, resolve_payloads
 from pipeline.keys import Keys
 from pipeline.producer import AddResult, BackpressureTimeout, StreamProducer
 from pipeline.runloop import Ack, DeadLetter, Emit, Outcome, Retry, StageRunner
@@ -46,12 +47,13 @@ async def test_produce_consume_ack_deletes(r: aioredis.Redis, keys: Keys) -> Non
 
 async def test_dedupe_by_group_id(r: aioredis.Redis, keys: Keys) -> None:
     prod = StreamProducer(r, keys, "scored", fast())
-    g = synthetic_rollout(1, 8, group_id="same")
+    g = ScoredGroup(group=synthetic_rollout(1, 8, group_id="same"), status=DistillStatus.SKIPPED, reason="r")
     first = await prod.send(g)
     second = await prod.send(g)
     assert first.result is AddResult.ADDED and second.result is AddResult.DUPLICATE
     assert second.entry_id == first.entry_id
     assert await r.xlen(keys.stream("scored")) == 1
+    assert len(await r.keys(f"{keys.stream('scored')}:payload:same:*")) == 1  # one payload, not two
     assert 0 < await r.pttl(keys.seen("scored", "same")) <= fast().dedupe_ttl_s * 1000
 
 
@@ -247,6 +249,8 @@ async def test_scored_entry_roundtrip_preserves_group(r: aioredis.Redis, keys: K
     g = synthetic_rollout(3, [5, 9, 17], group_id="x", group_overrides={"teacher_top_k": 4})
     await StreamProducer(r, keys, "scored", fast()).send(ScoredGroup(group=g, status=DistillStatus.SKIPPED, reason="r"))
     (_, fields), = await r.xrange(keys.stream("scored"))
+    assert b"d" not in fields and decode_header(fields[b"h"]).tokens == 31  # claim check: header + key
+    assert await resolve_payloads(r, [fields]) == [True]
     back = decode(fields[b"d"], expect=ScoredGroup)
     assert msgspec.structs.asdict(back.group)["group_overrides"] == {"teacher_top_k": 4}
     assert [s.length for s in back.group.sequences] == [5, 9, 17]

@@ -12,9 +12,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from pipeline.batching import BatchingConfig, Pending, build_batch
+from pipeline.batching import BatchingConfig, Pending, build_batch, materialize
+from pipeline.claimcheck import header_of
 from pipeline.keys import Keys
-from schemas import DecodeError, TrainBatch, decode, encode
+from schemas import BatchManifest, DecodeError, TrainBatch, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer
 from tests.reliability import mutations as mut
@@ -28,11 +29,10 @@ Tree = dict[str, Any]
 
 
 def good_batch(tag: str, i: int, groups: int = 3) -> TrainBatch:
-    items = []
-    for j in range(groups):
-        g = synthetic_rollout(2, 16, group_id=f"{tag}-{i:04d}-{j}", seed=7 * i + j)
-        items.append(Pending(f"0-{j}", synthetic_scored(g, k=4, seed=j)))
-    return build_batch(items, 1.0, 0, BatchingConfig()).batch
+    gs = [synthetic_scored(synthetic_rollout(2, 16, group_id=f"{tag}-{i:04d}-{j}", seed=7 * i + j), k=4, seed=j)
+          for j in range(groups)]
+    items = [Pending(f"0-{j}", header_of(g), f"k{j}") for j, g in enumerate(gs)]
+    return materialize(build_batch(items, 1.0, 0, BatchingConfig()).batch, gs)  # by value: the learner takes both
 
 
 def batch_tree(i: int) -> Tree:
@@ -97,7 +97,9 @@ async def test_learner_dead_letters_malformed_batches(private_redis: RedisServer
     for i in range(BAD):
         name, payload = make(i, rng)
         try:
-            decode(payload, mut.LIMITS, expect=TrainBatch)
+            msg = decode(payload, mut.LIMITS)
+            if not isinstance(msg, BatchManifest | TrainBatch):  # what the learner client accepts
+                raise DecodeError("t", f"expected a BatchManifest or TrainBatch, got a {type(msg).__name__}")
             accepted.append(name)
             continue
         except DecodeError as e:
