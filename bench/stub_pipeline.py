@@ -35,7 +35,7 @@ class StubPipeline:
     url: str
     keys: Keys
     work: Workload
-    payloads: dict[str, bytes]
+    payloads: dict[str, bytes | memoryview]
     producer: bool = False
     clients: list[aioredis.Redis] = field(default_factory=list)
     producers: dict[tuple[int, str], StreamProducer] = field(default_factory=dict)
@@ -61,7 +61,7 @@ class StubPipeline:
         self.clients.append(client(self.url))
         return self.clients[-1]
 
-    async def add(self, r: aioredis.Redis, stream: str, kind: bytes, gid: str, data: bytes) -> None:
+    async def add(self, r: aioredis.Redis, stream: str, kind: bytes, gid: str, data: bytes | memoryview) -> None:
         header = self.payloads["header"] if stream == "scored" else None
         if self.producer:
             p = self.producers.get((id(r), stream))

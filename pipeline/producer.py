@@ -184,7 +184,7 @@ class StreamProducer:
 
     async def send_raw(
         self,
-        payload: bytes,
+        payload: bytes | memoryview,
         mtype: bytes,
         mid: str,
         dedupe: list[str] | None = None,
@@ -204,12 +204,12 @@ class StreamProducer:
             raise ValueError("a sharded stream dedupes by the message's own id only")
         markers = [self.keys.seen(self.stream, i, self.shards) for i in ids]
         reservations = self.keys.reservations(key)
-        blob: tuple[str, bytes] | None = None  # (payload key, payload) for a claim-checked stream
+        blob: tuple[str, bytes | memoryview] | None = None  # (payload key, payload) on a claim-checked stream
         if self.claim_check:
             if header is None:
                 raise ValueError(f"stream {self.stream!r} is claim-checked: send_raw needs the group's header")
             blob = (self.keys.payload(key, mid, uuid.uuid4().hex[:12]), payload)
-            fields: dict[bytes, bytes | str] = {F_TYPE: mtype, F_ID: mid, F_HEADER: header, F_REF: blob[0]}
+            fields: dict[bytes, bytes | memoryview | str] = {F_TYPE: mtype, F_ID: mid, F_HEADER: header, F_REF: blob[0]}
         else:
             fields = {F_TYPE: mtype, F_ID: mid, F_DATA: payload}
         token = f"{_PENDING}{token or uuid.uuid4().hex}"
@@ -221,8 +221,10 @@ class StreamProducer:
             if self._cluster:
                 flat = [x for kv in fields.items() for x in kv]
                 script, keys = self._reserve_and_add, [key, *([blob[0]] if blob else []), *markers]
-                args: list[bytes | str | int] = [s.max_backlog, token, s.dedupe_ttl_s * 1000, int(blob is not None),
-                                                 blob[1] if blob else b"", *flat]
+                args: list[bytes | memoryview | str | int] = [
+                    s.max_backlog, token, s.dedupe_ttl_s * 1000, int(blob is not None), blob[1] if blob else b"",
+                    *flat,
+                ]
             else:
                 script, keys, args = self._reserve, [key, reservations, *markers], [s.max_backlog, token, RESERVE_MS]
             code, value, index = await retry_transient(
@@ -255,8 +257,8 @@ class StreamProducer:
             await asyncio.sleep(min(backoff.next_delay() + 0.005, max(0.0, deadline - loop.time())))
 
     async def _write_retrying(
-        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str,
-        blob: tuple[str, bytes] | None = None,
+        self, key: str, fields: dict[bytes, bytes | memoryview | str], markers: list[str], token: str,
+        blob: tuple[str, bytes | memoryview] | None = None,
     ) -> str:
         attempts = 0
 
@@ -268,8 +270,8 @@ class StreamProducer:
         return await retry_transient(write, deadline_s=60)
 
     async def _write(
-        self, key: str, fields: dict[bytes, bytes | str], markers: list[str], token: str,
-        blob: tuple[str, bytes] | None = None, *, retry: bool = False,
+        self, key: str, fields: dict[bytes, bytes | memoryview | str], markers: list[str], token: str,
+        blob: tuple[str, bytes | memoryview] | None = None, *, retry: bool = False,
     ) -> str:
         """XADD (and SET the claim-checked payload) and mark the reserved markers written, atomically
         (MULTI/EXEC: same hash slot).

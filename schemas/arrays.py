@@ -32,8 +32,13 @@ class ArrayError(ValueError):
     """An array on the wire is malformed (dtype, shape and byte length disagree)."""
 
 
-class Array(msgspec.Struct, array_like=True, frozen=True):
-    """One n-dimensional array on the wire: ``[dtype, shape, data]``."""
+class Array(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One n-dimensional array on the wire: ``[dtype, shape, data]``.
+
+    ``gc=False``: instances are not tracked by the cycle collector (a str, a tuple of ints and a
+    memoryview, all made before the array, cannot lead back to it). A scored group decodes ~50 of
+    them; untracked, its decoding is ~1 us faster and counts less toward cyclic collections.
+    """
 
     dtype: str
     shape: tuple[int, ...]

@@ -278,7 +278,10 @@ def validate_batch(b: TrainBatch, limits: Limits) -> None:
 
 
 def validate(msg: Message, limits: Limits) -> None:
-    """Raise ``DecodeError`` unless ``msg`` is a valid message under ``limits``."""
+    """Raise ``DecodeError`` unless ``msg`` is a valid message under ``limits``.
+
+    The reference implementation of every rule; ``validate_decoded`` is the fast path in front of it.
+    """
     if msg.schema > SCHEMA_VERSION or msg.schema < 1:
         raise DecodeError("schema", f"version {msg.schema} not supported (this reader: 1..{SCHEMA_VERSION})")
     if isinstance(msg, RolloutGroup):

@@ -210,7 +210,7 @@ def not_msgpack(t: Tree, rng: random.Random) -> bytes:
 
 def oversize_valid(t: Tree, rng: random.Random) -> bytes:
     """A well-formed message over the byte cap: rejected for its size alone."""
-    return encode(synthetic_rollout(2, rng.randint(7300, 9000), group_id="big", seed=rng.randrange(99)))
+    return bytes(encode(synthetic_rollout(2, rng.randint(7300, 9000), group_id="big", seed=rng.randrange(99))))
 
 
 def oversize_garbage(t: Tree, rng: random.Random) -> bytes:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 
+from schemas import codec
 from schemas.arrays import FLOAT16, FLOAT16_MAX_RELATIVE_ERROR, FLOAT16_MIN_LOGPROB, FLOAT32, INT32, UINT8, Array
 from schemas.build import make_sequence, make_teacher, synthetic_rollout, synthetic_scored, synthetic_teacher
 from schemas.codec import decode, encode
@@ -20,7 +25,8 @@ from schemas.messages import (
     TeacherPayload,
     TrainBatch,
 )
-from schemas.validate import DecodeError, Limits
+from schemas.structure import _structure_ok
+from schemas.validate import DecodeError, Limits, validate
 
 replace = msgspec.structs.replace
 
@@ -129,19 +135,142 @@ def test_expect_names_the_wrong_kind() -> None:
 # --- zero copy -------------------------------------------------------------------------------------
 
 
-def test_decoded_arrays_are_read_only_views_into_the_message_bytes() -> None:
-    s = scored()
-    data = encode(s)
+@pytest.mark.parametrize("kind", ["encoded", "bytes", "bytearray"])
+def test_decoded_arrays_are_read_only_views_into_the_message_bytes(kind: str) -> None:
+    s = big_scored() if kind == "encoded" else scored()
+    encoded = encode(s)
+    data: memoryview | bytes | bytearray = {"encoded": encoded, "bytes": bytes(encoded),
+                                             "bytearray": bytearray(encoded)}[kind]
+    owner = data.obj if isinstance(data, memoryview) else data
     back = decode(data, expect=ScoredGroup)
     whole = np.frombuffer(data, np.uint8)
     assert back.teacher is not None
     for arr in (back.group.sequences[0].tokens, back.teacher[0].topk_logprobs, back.teacher[2].topk_ids):
-        assert arr.data.obj is data
+        assert arr.data.obj is owner
+        assert arr.data.ndim == 1 and arr.data.itemsize == 1  # flat byte views (the fast checks need it)
         view = arr.numpy()
         assert np.shares_memory(view, whole)
-        assert not view.flags.writeable
-        with pytest.raises(ValueError):
-            view[0] = 0
+        if kind != "bytearray":
+            assert not view.flags.writeable
+            with pytest.raises(ValueError):
+                view[0] = 0
+
+
+def test_decode_takes_any_contiguous_byte_buffer() -> None:
+    s = scored()
+    raw = bytes(encode(s))
+    two_d = memoryview(raw).cast("B", shape=[1, len(raw)])
+    back = decode(two_d, expect=ScoredGroup)
+    same(s, back)
+    assert back.teacher is not None
+    for a in (back.teacher[0].topk_ids, back.group.sequences[1].tokens):
+        assert a.data.ndim == 1 and a.data.itemsize == 1
+    s4 = next(m for m in (replace(s, teacher_id="x" * i) for i in range(4)) if len(encode(m)) % 4 == 0)
+    same(s4, decode(memoryview(bytes(encode(s4))).cast("i")))  # wider items: read as their bytes
+    released = memoryview(raw)
+    released.release()
+    for bad in (memoryview(raw)[::2], released):  # not contiguous; released
+        with pytest.raises(DecodeError) as info:
+            decode(bad)
+        assert info.value.field == "message" and "contiguous" in info.value.reason
+
+
+def test_decode_checks_the_byte_size_of_a_buffer_of_wider_items() -> None:
+    raw = bytes(encode(scored()))
+    padded = raw + b"\0" * (-len(raw) % 4)
+    with pytest.raises(DecodeError) as info:
+        decode(memoryview(padded).cast("i"), Limits(max_bytes=len(padded) - 1))
+    assert "exceeds" in info.value.reason
+
+
+# --- exact-size encoding -----------------------------------------------------------------------------
+
+
+@functools.cache
+def big_scored(fp16: bool = False) -> ScoredGroup:
+    """A group whose arrays exceed EXACT_SIZE_MIN_BYTES, so ``encode`` sizes its buffer up front."""
+    g = synthetic_rollout(4, 1024, vocab=32000, seed=5)
+    teacher = [synthetic_teacher(q, 20, vocab=32000, seed=6 + i, fp16=fp16) for i, q in enumerate(g.sequences)]
+    s = ScoredGroup(group=g, status=DistillStatus.OK, teacher=teacher, k=20)
+    assert codec._array_sizes(s)[0] >= codec.EXACT_SIZE_MIN_BYTES
+    return s
+
+
+def big_batch() -> TrainBatch:
+    s = big_scored()
+    adv = [Array.from_numpy(np.full(q.length, 0.25, np.float32), FLOAT32) for q in s.group.sequences]
+    return TrainBatch(batch_id="b", groups=[s, replace(s, group=replace(s.group, group_id="g2"))], advantages=adv * 2)
+
+
+MESSAGES = {
+    "small rollout": rollout,
+    "small scored": scored,
+    "big rollout": lambda: synthetic_rollout(8, 8192, vocab=32000, seed=3),
+    "big scored": big_scored,
+    "big scored float16": lambda: big_scored(fp16=True),
+    "big batch": big_batch,
+    "dropped": lambda: ScoredGroup(group=synthetic_rollout(8, 8192, vocab=32000), status=DistillStatus.DROPPED,
+                                   reason="x"),
+}
+
+
+@pytest.mark.parametrize("name", MESSAGES)
+def test_encode_is_msgspecs_encoding_byte_for_byte(name: str) -> None:
+    msg = MESSAGES[name]()
+    data = encode(msg)
+    assert isinstance(data, memoryview) and data.readonly and data.format == "B" and data.ndim == 1
+    plain = msgspec.msgpack.encode(msg)
+    assert data == plain and data.tobytes() == plain and len(data) == len(plain)
+    same(msg, decode(data))
+    with pytest.raises(TypeError):
+        data[0] = 0  # read-only: decoded views share it
+
+
+@pytest.mark.parametrize("make", [big_scored, big_batch, lambda: synthetic_rollout(8, 8192, vocab=32000, seed=3)])
+def test_large_messages_are_encoded_into_a_buffer_allocated_once(make: Any) -> None:
+    msg = make()
+    data = encode(msg)
+    buf = data.obj
+    assert type(buf) is bytearray
+    bound = codec.encoded_size_bound(msg)
+    # Allocated once at the bound (+1 for the trailing NUL bytearray keeps): msgspec never regrew it.
+    assert sys.getsizeof(buf) - sys.getsizeof(bytearray()) == bound + 1
+    assert len(data) <= bound < len(data) + codec.ENCODE_SLACK + 24 * codec.ENCODE_SLACK_PER_STRUCT
+
+
+def test_small_messages_use_plain_encode() -> None:
+    g = rollout()
+    assert codec._array_sizes(g)[0] < codec.EXACT_SIZE_MIN_BYTES
+    data = encode(g)
+    assert isinstance(data, memoryview) and type(data.obj) is bytes and data.readonly
+    assert data == msgspec.msgpack.encode(g)
+
+
+def test_encode_without_ctypes_falls_back_to_plain_encode(monkeypatch: pytest.MonkeyPatch) -> None:
+    msg = big_scored()
+    monkeypatch.setattr(codec, "_resize", None)
+    data = encode(msg)
+    assert isinstance(data, memoryview) and type(data.obj) is bytes and data.readonly
+    assert data == msgspec.msgpack.encode(msg)
+    same(msg, decode(data))
+    monkeypatch.delattr(ctypes, "pythonapi")
+    assert codec._byte_array_resize() is None
+
+
+def test_size_bound_too_small_still_encodes_everything() -> None:
+    """Long chat ``messages`` (not counted in the bound): msgspec grows the buffer, output unchanged."""
+    chat = [{"role": "user", "content": "x" * 50_000}, {"role": "assistant", "content": "y" * 100_000}]
+    s = big_scored()
+    seqs = [replace(q, messages=chat, overrides={"note": "z" * 30_000}) for q in s.group.sequences]
+    s = replace(s, group=replace(s.group, sequences=seqs, metadata={"blob": "w" * 70_000}))
+    data = encode(s)
+    bound = codec.encoded_size_bound(s)
+    assert len(data) > bound + 500_000
+    assert type(data.obj) is bytearray
+    assert data == msgspec.msgpack.encode(s)
+    back = decode(data, expect=ScoredGroup)
+    same(s, back)
+    assert back.group.sequences[3].messages == chat
 
 
 def test_encode_copies_once_and_does_not_alias_the_source() -> None:
@@ -470,3 +599,145 @@ def test_float16_teacher_logprobs_within_documented_error() -> None:
         err = np.abs(got.astype(np.float64) - want.astype(np.float64))
         assert (err <= FLOAT16_MAX_RELATIVE_ERROR * np.abs(want)).all()
         assert got[0, -1] == FLOAT16_MIN_LOGPROB
+
+
+# --- the fast structural path agrees with validate, edit by edit --------------------------------------
+
+
+def _arrays(node: Any) -> Iterator[list[Any]]:
+    """The wire arrays ([dtype, shape, data]) in a msgpack tree."""
+    if isinstance(node, list):
+        if len(node) == 3 and isinstance(node[0], str) and isinstance(node[1], list) and isinstance(node[2], bytes):
+            yield node
+        else:
+            for x in node:
+                yield from _arrays(x)
+    elif isinstance(node, dict):
+        for x in node.values():
+            yield from _arrays(x)
+
+
+def _structs(node: Any, key: str) -> Iterator[dict[str, Any]]:
+    """The structs in a msgpack tree that have field ``key``."""
+    if isinstance(node, dict):
+        if key in node:
+            yield node
+        for x in node.values():
+            yield from _structs(x, key)
+    elif isinstance(node, list):
+        for x in node:
+            yield from _structs(x, key)
+
+
+Edit = Callable[[Any], object]
+
+
+def _array_edits(arr: list[Any]) -> list[Edit]:
+    itemsize = {INT32: 4, FLOAT32: 4, FLOAT16: 2, UINT8: 1}.get(arr[0], 8)
+    rest = int(np.prod(arr[1][1:])) * itemsize
+
+    def resize(a: list[Any], d: int) -> None:  # header and bytes agree; the other fields do not
+        a[1][0] += d
+        a[2] = a[2][: len(a[2]) - rest] if d < 0 else a[2] + b"\0" * rest
+
+    edits: list[Edit] = [lambda a, d=dtype: a.__setitem__(0, d) for dtype in (INT32, FLOAT32, FLOAT16, UINT8, "<f8")]
+    edits += [lambda a, j=j, d=d: a[1].__setitem__(j, a[1][j] + d) for j in range(len(arr[1])) for d in (-1, 1)]
+    shapes = ([], [*arr[1], 1], arr[1][:-1], [1, *arr[1]], [-1] * len(arr[1]))
+    edits += [lambda a, s=shape: a.__setitem__(1, list(s)) for shape in shapes]
+    edits += [lambda a: a.__setitem__(2, a[2][:-1]), lambda a: a.__setitem__(2, a[2] + b"\0")]
+    return edits + [lambda a, d=d: resize(a, d) for d in ((-1, 1) if arr[1] else ())]
+
+
+def _sequence_edits(seq: dict[str, Any]) -> list[Edit]:
+    n = seq["tokens"][1][0] if seq["tokens"][1] else 0
+    edits: list[Edit] = [lambda q, v=p: q.__setitem__("prompt_len", v) for p in (-1, n + 1)]
+    edits += [lambda q, v=span: q.__setitem__("spans", [v]) for span in ([0, 1], [1, n + 1], [2, 1], [n, n])]
+    wrong_length = [FLOAT32, [n + 1], b"\0" * 4 * (n + 1)]
+    edits += [lambda q, f=f: q.__setitem__(f, wrong_length) for f in ("logprobs", "advantages")]
+    return edits
+
+
+def _group_edits(g: dict[str, Any]) -> list[Edit]:
+    edits: list[Edit] = [lambda q: q.__setitem__("group_id", ""), lambda q: q.__setitem__("sequences", []),
+                         lambda q: q.__setitem__("sequences", q["sequences"][:-1])]
+    return edits + [lambda q, v=k: q.__setitem__("group_overrides", {"teacher_top_k": v}) for k in ("5", True, 2.0, 3)]
+
+
+def _scored_edits(s: dict[str, Any]) -> list[Edit]:
+    edits: list[Edit] = [lambda q, v=k: q.__setitem__("k", v) for k in (0, s["k"] - 1, s["k"] + 1, 300)]
+    edits += [lambda q, v=status.value: q.__setitem__("status", v) for status in DistillStatus]
+    edits += [lambda q: q.__setitem__("reason", None), lambda q: q.__setitem__("teacher", None)]
+    return edits + ([lambda q: q.__setitem__("teacher", q["teacher"][:-1])] if s.get("teacher") else [])
+
+
+def _edits(tree: dict[str, Any]) -> list[tuple[str, int, Edit]]:
+    """One structural edit each, at every array and every length-like field: what to edit, and how."""
+    edits: list[tuple[str, int, Edit]] = [("a", i, e) for i, arr in enumerate(_arrays(tree)) for e in _array_edits(arr)]
+    for field, make in (("prompt_len", _sequence_edits), ("sequences", _group_edits), ("status", _scored_edits)):
+        edits += [(field, i, e) for i, node in enumerate(_structs(tree, field)) for e in make(node)]
+    for i, t in enumerate(_structs(tree, "topk_ids")):
+        edits += [("topk_ids", i, lambda q, v=k: q.__setitem__("k", v)) for k in (0, t["k"] - 1, t["k"] + 1, 300)]
+    if "advantages" in tree:
+        edits += [("", 0, lambda q: q.__setitem__("advantages", q["advantages"][:-1])),
+                  ("", 0, lambda q: q.__setitem__("advantages", q["advantages"] + q["advantages"][:1]))]
+    return edits + [("", 0, lambda q, v=v: q.__setitem__("schema", v)) for v in (0, 2)]
+
+
+def _edited(tree: dict[str, Any], edit: tuple[str, int, Edit]) -> dict[str, Any]:
+    """A copy of ``tree`` with one edit from ``_edits(tree)`` applied."""
+    kind, i, fn = edit
+    copy: dict[str, Any] = msgspec.msgpack.decode(msgspec.msgpack.encode(tree))
+    fn(list(_arrays(copy))[i] if kind == "a" else list(_structs(copy, kind))[i] if kind else copy)
+    return copy
+
+
+def _fast_and_reference(msg: Any, limits: Limits) -> tuple[bool, DecodeError | None]:
+    try:
+        validate(msg, limits)
+    except DecodeError as e:
+        return _structure_ok(msg, limits), e
+    return _structure_ok(msg, limits), None
+
+
+def _edit_bases() -> list[Any]:
+    s = scored(k=5)
+    g16 = synthetic_rollout(2, [6, 1], vocab=500, seed=2)
+    t16 = [synthetic_teacher(q, 3, vocab=500, seed=i, fp16=True) for i, q in enumerate(g16.sequences)]
+    s16 = ScoredGroup(group=g16, status=DistillStatus.OK, k=3, teacher=t16)
+    adv = [Array.from_numpy(np.zeros(q.length, np.float32), FLOAT32) for q in s.group.sequences]
+    g = seq_replace(rollout(), 1, advantages=adv[1], ref_logprobs=adv[1], spans=[(1, 1)])
+    return [g, s, s16, TrainBatch(batch_id="b", groups=[s], advantages=adv),
+            ScoredGroup(group=rollout(), status=DistillStatus.DROPPED, reason="r")]
+
+
+@pytest.mark.parametrize("base", range(5))
+def test_fast_structural_checks_agree_with_validate_on_every_single_edit(base: int) -> None:
+    """Every one-field structural edit: the fast path accepts iff ``validate`` does; decode reports validate's
+    error. Limits at the message's own sizes (valid) and one below (invalid) check the bounds too."""
+    msg = _edit_bases()[base]
+    tree = msgspec.msgpack.decode(encode(msg))
+    seqs = [q for g in (msg.groups if isinstance(msg, TrainBatch) else [msg]) for q in
+            (g.sequences if isinstance(g, RolloutGroup) else g.group.sequences)]
+    n, count = max(q.length for q in seqs), len(seqs)
+    k = max((g.k for g in msg.groups), default=0) if isinstance(msg, TrainBatch) else getattr(msg, "k", 0)
+    tight = [Limits(check_values=False, max_seq_len=n, max_sequences=count, max_k=max(k, 1)),
+             Limits(check_values=False, max_seq_len=n - 1), Limits(check_values=False, max_sequences=count - 1)]
+    if k:
+        tight.append(Limits(check_values=False, max_k=k - 1))
+    cases = 0
+    for limits in [Limits(check_values=False), *tight]:
+        for edited in [tree, *(_edited(tree, e) for e in _edits(tree))]:
+            try:
+                decoded = codec._DECODER.decode(msgspec.msgpack.encode(edited))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            fast, error = _fast_and_reference(decoded, limits)
+            assert fast == (error is None), (error, edited)
+            cases += 1
+            try:
+                decode(msgspec.msgpack.encode(edited), limits)
+            except DecodeError as e:
+                assert error is not None and (e.field, e.reason) == (error.field, error.reason)
+            else:
+                assert error is None
+    assert cases > 100

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import msgspec
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas.arrays import FLOAT32, Array
 from schemas.build import make_sequence, make_teacher
-from schemas.codec import decode, encode
-from schemas.messages import DistillStatus, Message, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
+from schemas.codec import _DECODER, decode, encode
+from schemas.messages import DistillStatus, Message, RolloutGroup, ScoredGroup, Sequence, TeacherPayload, TrainBatch
+from schemas.structure import _structure_ok
 from schemas.validate import DecodeError, Limits, validate
-from tests.unit.test_codec import same
+from tests.unit.test_codec import _edited, _edits, same
 
 VOCAB = 5000
 SETTINGS = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -91,9 +94,9 @@ def teacher_for(seq: Sequence, k: int, seed: int, fp16: bool) -> TeacherPayload:
 
 
 @st.composite
-def scored_groups(draw: st.DrawFn) -> ScoredGroup:
+def scored_groups(draw: st.DrawFn, ok: bool = False) -> ScoredGroup:
     g = draw(rollouts())
-    status = draw(st.sampled_from(DistillStatus))
+    status = DistillStatus.OK if ok else draw(st.sampled_from(DistillStatus))
     if status is not DistillStatus.OK:
         return ScoredGroup(group=g, status=status, reason=draw(st.text(min_size=1, max_size=20)))
     k = draw(st.integers(1, 32))
@@ -111,6 +114,7 @@ def test_any_valid_group_round_trips_exactly(msg: Message) -> None:
     validate(msg, Limits())  # the strategy only builds valid groups
     data = encode(msg)
     back = decode(data)
+    assert _structure_ok(back, Limits())  # valid messages take the fast structural path
     same(msg, back)
     same(msg, decode(data, Limits(check_values=False)))
     assert encode(back) == data
@@ -157,3 +161,62 @@ def test_single_token_rollout_round_trips() -> None:
     s = ScoredGroup(group=g, status=DistillStatus.OK, teacher=[t], k=3)
     same(s, decode(encode(s)))
     assert Array.from_numpy(np.empty((0, 3), np.float32), FLOAT32).nbytes == 0
+
+
+# --- the fast structural path agrees with validate -------------------------------------------------
+
+@st.composite
+def batches(draw: st.DrawFn) -> TrainBatch:
+    groups = draw(st.lists(scored_groups(), min_size=1, max_size=2))
+    adv = [Array.from_numpy(np.full(q.length, 0.5, np.float32), FLOAT32) for g in groups for q in g.group.sequences]
+    return TrainBatch(batch_id=draw(st.text(min_size=1, max_size=8)), groups=groups, advantages=adv)
+
+
+@st.composite
+def edited(draw: st.DrawFn) -> tuple[Message, Limits]:
+    """A valid message after 0-3 structural edits (of arrays' headers and bytes, lengths, k, status, ids)."""
+    msg = draw(st.one_of(messages, scored_groups(ok=True), batches()))
+    tree = msgspec.msgpack.decode(encode(msg))
+    for _ in range(draw(st.integers(0, 3))):
+        tree = _edited(tree, draw(st.sampled_from(_edits(tree))))
+    limits = Limits(
+        check_values=False,
+        max_k=draw(st.sampled_from([256, 256, 256, 8])),
+        max_seq_len=draw(st.sampled_from([1 << 20, 1 << 20, 1 << 20, 32])),
+        max_sequences=draw(st.sampled_from([4096, 4096, 4096, 2])),
+    )
+    try:
+        return _DECODER.decode(msgspec.msgpack.encode(tree)), limits
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return msg, limits
+
+
+@settings(SETTINGS, max_examples=600)
+@given(edited())
+def test_fast_structural_checks_agree_with_validate(case: tuple[Message, Limits]) -> None:
+    """The fast path accepts exactly the messages ``validate`` accepts; decode's errors are validate's."""
+    msg, limits = case
+    try:
+        validate(msg, limits)
+        error = None
+    except DecodeError as e:
+        error = e
+    assert _structure_ok(msg, limits) == (error is None), error
+    data = encode(msg)
+    if error is None:
+        decode(data, limits)
+    else:
+        try:
+            decode(data, limits)
+        except DecodeError as e:
+            assert (e.field, e.reason) == (error.field, error.reason)
+        else:
+            raise AssertionError(f"decode accepted a message validate rejects: {error}")
+    full = dataclasses.replace(limits, check_values=True)
+    if error is not None:  # a structural error is reported with value checks on as well
+        try:
+            validate(msg, full)
+        except DecodeError:
+            pass
+        else:
+            raise AssertionError("structurally invalid, yet valid with value checks")
