@@ -16,9 +16,13 @@ from pipeline.teacher.base import ScoreOutcome, ScoreRequest, ScoreResult
 
 
 class SyntheticTeacher:
+    CACHE_SIZE = 4096  # (rows, k) logprob templates kept
+
     def __init__(self, *, vocab_size: int = 32000, max_k: int = 256, latency_s: float = 0.0) -> None:
         self.vocab_size, self._max_k, self.latency_s = vocab_size, max_k, latency_s
         self.calls = 0
+        # The logprob arrays depend only on (rows, k): made once, shared read-only (encoding copies them).
+        self._logprobs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def identity(self) -> str:
@@ -40,8 +44,21 @@ class SyntheticTeacher:
             await asyncio.sleep(self.latency_s)
         out: list[ScoreOutcome] = []
         for req in reqs:
-            nxt = req.tokens[1:].astype(np.int64)
-            ids = ((nxt[:, None] + np.arange(req.k)) % self.vocab_size).astype(np.int32)
-            lps = np.broadcast_to(-0.1 - np.arange(req.k, dtype=np.float32), ids.shape).copy()
-            out.append(ScoreResult(ids, lps, np.full(nxt.shape[0], -0.1, np.float32)))
+            nxt = req.tokens[1:]
+            ids = np.add(nxt[:, None], np.arange(req.k, dtype=np.int32), dtype=np.int32)
+            if nxt.size and int(nxt.max()) + req.k > self.vocab_size:  # ids stay below the vocabulary
+                ids %= self.vocab_size
+            lps, sampled = self._cached(nxt.shape[0], req.k)
+            out.append(ScoreResult(ids, lps, sampled))
         return out
+
+    def _cached(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        got = self._logprobs.get((rows, k))
+        if got is None:
+            lps = np.broadcast_to(-0.1 - np.arange(k, dtype=np.float32), (rows, k)).copy()
+            sampled = np.full(rows, -0.1, np.float32)
+            lps.flags.writeable = sampled.flags.writeable = False
+            got = self._logprobs[(rows, k)] = (lps, sampled)
+            if len(self._logprobs) > self.CACHE_SIZE:  # bounded: many distinct lengths evict the oldest
+                del self._logprobs[next(iter(self._logprobs))]
+        return got
