@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing
 import os
 import platform
@@ -40,6 +41,8 @@ from pipeline.producer import StreamProducer, message_id, message_type
 from schemas import ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer
+
+GROUPS_PER_BATCH = 8
 
 
 def settings() -> StreamSettings:
@@ -74,9 +77,9 @@ async def bare(url: str, keys: Keys, n: int) -> float:
     return n / dt
 
 
-async def learn(r: aioredis.Redis, keys: Keys, n: int) -> None:
+async def learn(r: aioredis.Redis, keys: Keys, n: int, prefetch: bool = True) -> None:
     """The no-op learner: the client's iterator (fetch, validate, advantages), then ack."""
-    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=settings())
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=settings(), prefetch=prefetch)
     got = 0
     while got < n:
         b = await learner.next_batch(timeout_s=30)
@@ -84,6 +87,7 @@ async def learn(r: aioredis.Redis, keys: Keys, n: int) -> None:
             raise RuntimeError(f"learner starved after {got} groups")
         got += len(b.batch.groups)
         await learner.ack(b)
+    await learner.aclose()
 
 
 def _feeder_process(url: str, namespace: str) -> None:
@@ -92,7 +96,7 @@ def _feeder_process(url: str, namespace: str) -> None:
 
     async def go() -> None:
         r, keys = connect(RedisSettings(redis_url=url)), Keys(namespace)
-        f = Feeder(r, keys, BatchingConfig(max_batch_groups=8, max_batch_tokens=10**9, max_wait_s=0.05,
+        f = Feeder(r, keys, BatchingConfig(max_batch_groups=GROUPS_PER_BATCH, max_batch_tokens=10**9, max_wait_s=0.05,
                                            max_staleness=None), ConstantKL(0.1), settings(), consumer_name="f")
         await r.set(f"{namespace}:bench:ready", 1)
         await r.blpop([f"{namespace}:bench:go"], timeout=60)
@@ -102,7 +106,7 @@ def _feeder_process(url: str, namespace: str) -> None:
     asyncio.run(go())
 
 
-async def feeder_process(url: str, keys: Keys, n: int) -> float:
+async def feeder_process(url: str, keys: Keys, n: int, prefetch: bool = True) -> float:
     r = connect(RedisSettings(redis_url=url))
     proc = multiprocessing.get_context("spawn").Process(target=_feeder_process, args=(url, keys.namespace))
     proc.start()
@@ -110,21 +114,21 @@ async def feeder_process(url: str, keys: Keys, n: int) -> float:
         await asyncio.sleep(0.05)
     t0 = time.perf_counter()
     await r.rpush(f"{keys.namespace}:bench:go", 1)
-    await learn(r, keys, n)
+    await learn(r, keys, n, prefetch)
     dt = time.perf_counter() - t0
     await asyncio.to_thread(proc.join, 30)
     await r.aclose()
     return n / dt
 
 
-async def feeder(url: str, keys: Keys, n: int) -> float:
+async def feeder(url: str, keys: Keys, n: int, prefetch: bool = True) -> float:
     r = connect(RedisSettings(redis_url=url))
-    f = Feeder(r, keys, BatchingConfig(max_batch_groups=8, max_batch_tokens=10**9, max_wait_s=0.05,
+    f = Feeder(r, keys, BatchingConfig(max_batch_groups=GROUPS_PER_BATCH, max_batch_tokens=10**9, max_wait_s=0.05,
                                        max_staleness=None), ConstantKL(0.1), settings(), consumer_name="f")
     stop = asyncio.Event()
     t0 = time.perf_counter()
     task = asyncio.create_task(f.run(stop))
-    await learn(r, keys, n)
+    await learn(r, keys, n, prefetch)
     dt = time.perf_counter() - t0
     stop.set()
     await task
@@ -138,7 +142,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-prefetch", action="store_true", help="learner client without prefetch")
     a = ap.parse_args()
+    prefetch = not a.no_prefetch
     groups = [synthetic_scored(synthetic_rollout(8, a.seq_len, group_id=f"g{i}", seed=i), k=a.k, seed=i)
               for i in range(a.groups)]
     payloads = [(encode(g), message_type(g), message_id(g), encode_header(g)) for g in groups]
@@ -146,7 +152,8 @@ def main() -> None:
     server = RedisServer().start()
     configure_logging("WARNING")
     results: dict[str, list[float]] = {"bare": [], "feeder": [], "feeder_process": [], "bare_inline": []}
-    loops = (("bare", bare), ("feeder", feeder), ("feeder_process", feeder_process), ("bare_inline", bare))
+    loops = (("bare", bare), ("feeder", functools.partial(feeder, prefetch=prefetch)),
+             ("feeder_process", functools.partial(feeder_process, prefetch=prefetch)), ("bare_inline", bare))
     try:
         for rnd in range(a.rounds):
             for name, fn in loops:
@@ -156,7 +163,8 @@ def main() -> None:
     finally:
         server.stop()
     print(f"# feeder benchmark: {a.groups} scored groups of 8 x {a.seq_len} tokens, k={a.k} ({mb:.0f} MB); "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
+          f"learner prefetch {'on' if prefetch else 'off'}")
     print("| loop | best groups/s | median groups/s |")
     print("|---|---|---|")
     for name, xs in results.items():

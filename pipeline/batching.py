@@ -139,33 +139,58 @@ def take_batch(buffer: list[Pending], cfg: BatchingConfig, *, flush: bool = Fals
     return picked
 
 
-def sequence_advantages(g: ScoredGroup, kl_coef: float, reward_weight: float) -> list[npt.NDArray[np.float32]]:
-    """Per-token advantages of each sequence of ``g`` (see the module docstring).
+_ZERO4 = bytes(4)  # one float32 0.0
 
-    Masked positions are zeroed by multiplying with the 0/1 loss mask, so the arrays must be finite
+
+def sequence_advantages(g: ScoredGroup, kl_coef: float, reward_weight: float) -> list[npt.NDArray[np.float32]]:
+    """Per-token advantages of each sequence of ``g`` (see the module docstring)."""
+    return batch_advantages([g], kl_coef, reward_weight)
+
+
+def batch_advantages(
+    groups: list[ScoredGroup], kl_coef: float, reward_weight: float
+) -> list[npt.NDArray[np.float32]]:
+    """Per-token advantages of every sequence of ``groups``, in order: views into one array.
+
+    Computed once over the concatenated sequences (their bytes joined, no per-array numpy calls);
+    masked positions are zeroed by multiplying with the 0/1 loss mask, so the arrays must be finite
     (``decode`` checks that by default).
     """
-    seqs = g.group.sequences
-    if reward_weight and len(seqs) > 1:
-        scores = np.array([s.score for s in seqs], dtype=np.float64)
-        reward = reward_weight * (scores - scores.mean()) / (scores.std() + 1e-6)
-    else:
-        reward = np.zeros(len(seqs))
-    coef = np.float32(kl_coef)
-    out: list[npt.NDArray[np.float32]] = []
-    for i, s in enumerate(seqs):
-        n = s.length
-        adv = np.zeros(n, dtype=np.float32)
-        out.append(adv)
-        if (s.overrides or {}).get("set_advantage_to_zero"):  # reference semantics: no signal at all
-            continue
-        if g.teacher is not None and s.logprobs is not None and n > 1:
-            # Row r of the teacher predicts token r + 1: it pairs with the student's logprob at r + 1.
-            np.subtract(g.teacher[i].sampled_logprobs.numpy(), s.logprobs.numpy()[1:], out=adv[1:], dtype=np.float32)
-            adv[1:] *= coef
-        if reward[i]:
-            adv += np.float32(reward[i])
-        adv *= s.loss_mask.numpy().view(np.uint8)
+    teacher: list[bytes | memoryview] = []  # per sequence [0, q_0 .. q_{L-2}]: row r pairs with token r + 1
+    student: list[bytes | memoryview] = []
+    masks: list[bytes | memoryview] = []
+    lengths: list[int] = []
+    rewards: list[float] = []
+    zeroed: list[int] = []
+    for g in groups:
+        seqs = g.group.sequences
+        if reward_weight and len(seqs) > 1:
+            scores = np.array([s.score for s in seqs], dtype=np.float64)
+            rewards += (reward_weight * (scores - scores.mean()) / (scores.std() + 1e-6)).tolist()
+        else:
+            rewards += [0.0] * len(seqs)
+        for i, s in enumerate(seqs):
+            n = s.length
+            if g.teacher is not None and s.logprobs is not None and n > 1:
+                teacher += [_ZERO4, g.teacher[i].sampled_logprobs.data]
+                student.append(s.logprobs.data)
+            else:  # no teacher signal for this sequence
+                teacher.append(bytes(4 * n))
+                student.append(teacher[-1])
+            masks.append(s.loss_mask.data)
+            if s.overrides and s.overrides.get("set_advantage_to_zero"):  # reference semantics: no signal
+                zeroed.append(len(lengths))
+            lengths.append(n)
+    f32 = np.dtype("<f4")
+    adv = np.subtract(np.frombuffer(b"".join(teacher), f32), np.frombuffer(b"".join(student), f32))
+    adv *= np.float32(kl_coef)
+    if any(rewards):
+        adv += np.repeat(np.asarray(rewards, np.float32), lengths)
+    adv *= np.frombuffer(b"".join(masks), np.uint8)
+    ends = np.cumsum(lengths).tolist()
+    out = [adv[e - n : e] for e, n in zip(ends, lengths, strict=True)]
+    for k in zeroed:
+        out[k][:] = 0.0
     return out
 
 
@@ -210,10 +235,8 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
 
 def materialize(manifest: BatchManifest, groups: list[ScoredGroup]) -> TrainBatch:
     """The ``TrainBatch`` a manifest stands for, given its groups (fetched and validated, in order)."""
-    advantages: list[Array] = []
-    for g in groups:
-        advantages += [Array(FLOAT32, a.shape, a.data.cast("B")) for a in
-                       sequence_advantages(g, manifest.kl_coef, manifest.reward_weight)]
+    advantages = [Array(FLOAT32, a.shape, a.data.cast("B"))
+                  for a in batch_advantages(groups, manifest.kl_coef, manifest.reward_weight)]
     return TrainBatch(
         batch_id=manifest.batch_id, groups=groups, advantages=advantages, kl_coef=manifest.kl_coef,
         policy_version=manifest.policy_version, created_at=manifest.created_at, stats=manifest.stats,

@@ -241,19 +241,27 @@ class StreamConsumer:
         for d in deliveries:
             self.owned.discard(d.entry_id)
 
-    async def ack(self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False) -> None:
+    async def ack(
+        self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False, then_delete: Sequence[str] = ()
+    ) -> None:
         """Acknowledge and delete entries (and their claim-checked payloads unless ``keep_payloads``), in
-        one round trip."""
+        one round trip; then delete ``then_delete`` (keys elsewhere: in the same round trip on a single
+        Redis, whose pipeline runs in order; after the ack on a cluster, where nodes run in parallel)."""
         ids = [d.entry_id for d in deliveries]
         if not ids:
             return
         blobs = [] if keep_payloads else [d.fields[F_REF] for d in deliveries if F_REF in d.fields]
+        cluster = type(self.redis).__name__ == "RedisCluster"
         async with self.redis.pipeline(transaction=False) as p:
             p.xack(self.key, self.group, *ids)
             p.xdel(self.key, *ids)
             if blobs:
                 p.delete(*blobs)
+            if then_delete and not cluster:
+                p.delete(*then_delete)
             await p.execute()
+        if then_delete and cluster:
+            await self.redis.delete(*then_delete)
         self.owned.difference_update(ids)
         metrics.ACKED.labels(self.stream).inc(len(ids))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ from pipeline.sharding import ShardedConsumer, make_consumer
 from schemas import DecodeError, GroupHeader, ScoredGroup, decode
 
 log = structlog.get_logger("distillq.feeder")
+
+VERSION_REFRESH_S = 0.02
 
 BATCHES: Counter = Counter("distillq_feeder_batches_total", "train batches written")
 DROPPED: Counter = Counter("distillq_feeder_dropped_groups_total", "groups not batched", ["reason"])
@@ -90,6 +93,7 @@ class Feeder:
         self.max_buffered = max_buffered_groups
         self.state = FeederState()
         self.limits = s.limits()
+        self._version_read_at = float("-inf")
 
     async def restore_controller(self) -> None:
         """Continue from the KL controller state stored in Redis, if any."""
@@ -156,6 +160,12 @@ class Feeder:
         return await self.consumer.backlog() == len(self.state.buffer)
 
     async def _refresh_version(self) -> None:
+        """Read the learner's policy version, at most every ``VERSION_REFRESH_S`` (staleness is counted in
+        versions, each at least one optimiser step apart: a few ms of lag cannot matter)."""
+        now = time.monotonic()
+        if now - self._version_read_at < VERSION_REFRESH_S:
+            return
+        self._version_read_at = now
         raw = await self.redis.get(self.keys.policy_version)
         if raw is not None:
             with contextlib.suppress(ValueError):
@@ -227,7 +237,7 @@ class Feeder:
         if not items:
             return True
         await retry_transient(lambda: self.consumer.ack(built.refs, keep_payloads=True), deadline_s=60)
-        if built.observed_kl is not None:
+        if built.observed_kl is not None and isinstance(self.controller, AdaptiveKL):  # a constant never changes
             self.controller.update(built.observed_kl, n_steps=1)
             await retry_transient(lambda: self.redis.set(self.keys.kl_state, self.controller.to_json()), deadline_s=60)
         self._observe(built.batch.stats or {})

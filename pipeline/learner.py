@@ -22,10 +22,13 @@ Arrays are zero-copy numpy views into the received payloads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +45,7 @@ from pipeline.producer import F_DATA, F_ID, F_TYPE
 from schemas import BatchManifest, DecodeError, GroupRef, Limits, ScoredGroup, TrainBatch, decode
 
 log = structlog.get_logger("distillq.learner")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,15 @@ class LearnerBatch:
                 i += 1
 
 
+@dataclass(frozen=True)
+class _Raw:
+    """A batch entry read and decoded, with its groups' payloads fetched but not yet validated."""
+
+    delivery: Delivery
+    msg: BatchManifest | TrainBatch
+    payloads: list[bytes | None]
+
+
 class AsyncLearner:
     """asyncio learner client."""
 
@@ -87,7 +100,10 @@ class AsyncLearner:
         settings: StreamSettings | None = None,
         redis: aioredis.Redis | None = None,
         limits: Limits | None = None,
+        prefetch: bool = True,
     ) -> None:
+        """``prefetch``: fetch, validate and weigh the next batch in the background while the caller works
+        on the current one (it is read, so it stays pending until acked, like any batch handed out)."""
         rs = redis_settings(redis_url, namespace)
         self.keys = Keys(rs.namespace)
         self._own = redis is None
@@ -98,9 +114,41 @@ class AsyncLearner:
         self.limits = limits or self.settings.limits()
         self._cluster = type(self.redis).__name__ == "RedisCluster"
         self._ready = False
+        self.prefetch = prefetch
+        self._ahead: asyncio.Task[_Raw | None] | None = None
 
     async def next_batch(self, timeout_s: float | None = None) -> LearnerBatch | None:
-        """The next batch (redelivered ones first), or ``None`` after ``timeout_s`` without one."""
+        """The next batch (redelivered ones first), or ``None`` after ``timeout_s`` without one.
+
+        With ``prefetch``, the next batch's entry and payloads are read while this one is decoded and
+        while the caller trains on it, so Redis and the network work in parallel with the learner.
+        """
+        loop = asyncio.get_running_loop()
+        end = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            left = None if end is None else max(0.0, end - loop.time())
+            if not self.prefetch:
+                raw = await self._read(left)
+            else:
+                if self._ahead is None:
+                    self._ahead = asyncio.ensure_future(self._read(None))
+                try:
+                    raw = await asyncio.wait_for(asyncio.shield(self._ahead), left)
+                except TimeoutError:
+                    return None  # the read goes on; a later call gets its batch
+                except BaseException:
+                    if self._ahead.done():  # it failed: the next call starts afresh
+                        self._ahead = None
+                    raise
+                self._ahead = asyncio.ensure_future(self._read(None))  # the next one, in the background
+            if raw is None:
+                return None
+            got = await self._build(raw)
+            if got is not None:
+                return got
+
+    async def _read(self, timeout_s: float | None) -> _Raw | None:
+        """The next batch entry, decoded, with its groups' payloads fetched (one MGET); not validated yet."""
         if not self._ready:
             await self.consumer.ensure_group()
             self._ready = True
@@ -117,20 +165,22 @@ class AsyncLearner:
                     await self.consumer.dead_letter(d, f"decode_error: {e}")
                     continue
                 if isinstance(msg, TrainBatch):
-                    return LearnerBatch(d.entry_id, msg, d.reclaimed, d)
-                got = await self._materialize(d, msg)
-                if got is not None:
-                    return got
+                    return _Raw(d, msg, [])
+                keys = [r.key for r in msg.refs]
+                payloads: list[bytes | None] = await (
+                    self.redis.mget_nonatomic(keys) if self._cluster else self.redis.mget(keys)  # type: ignore[attr-defined]
+                )
+                return _Raw(d, msg, payloads)
             if end is not None and loop.time() >= end:
                 return None
 
-    async def _materialize(self, d: Delivery, m: BatchManifest) -> LearnerBatch | None:
-        """Fetch, validate and weigh a manifest's groups; ``None`` (batch settled) if none is usable."""
-        keys = [r.key for r in m.refs]
-        raw: list[bytes | None] = (await self.redis.mget_nonatomic(keys) if self._cluster  # type: ignore[attr-defined]
-                                   else await self.redis.mget(keys)) if keys else []
+    async def _build(self, raw: _Raw) -> LearnerBatch | None:
+        """Validate and weigh a batch's groups; ``None`` (batch settled) if none is usable."""
+        d, m = raw.delivery, raw.msg
+        if isinstance(m, TrainBatch):
+            return LearnerBatch(d.entry_id, m, d.reclaimed, d)
         groups: list[ScoredGroup] = []
-        for ref, data in zip(m.refs, raw, strict=True):
+        for ref, data in zip(m.refs, raw.payloads, strict=True):
             if data is None:
                 metrics.PAYLOAD_MISSING.labels("learner").inc()
                 await self._dead_letter_group(d, m, ref, None, f"payload_missing: key {ref.key} is gone")
@@ -148,7 +198,7 @@ class AsyncLearner:
             log.warning("batch_without_usable_groups", batch_id=m.batch_id, groups=len(m.refs))
             await self.consumer.ack([d])
             return None
-        return LearnerBatch(d.entry_id, materialize(m, groups), d.reclaimed, d, tuple(keys))
+        return LearnerBatch(d.entry_id, materialize(m, groups), d.reclaimed, d, tuple(r.key for r in m.refs))
 
     async def _dead_letter_group(
         self, d: Delivery, m: BatchManifest, ref: GroupRef, data: bytes | None, reason: str
@@ -175,10 +225,7 @@ class AsyncLearner:
         """Call after the optimiser step: the batch will not be delivered again, and its groups' payloads
         are deleted (after the batch is settled: a crash in between leaves them behind, never a batch
         without its groups)."""
-        await self.consumer.ack([batch.delivery])
-        if batch.payload_keys:
-            keys = list(batch.payload_keys)
-            await retry_transient(lambda: self.redis.delete(*keys), deadline_s=60)
+        await self.consumer.ack([batch.delivery], then_delete=batch.payload_keys)
 
     async def publish_policy_version(self, version: int) -> None:
         await self.redis.set(self.keys.policy_version, int(version))
@@ -188,6 +235,12 @@ class AsyncLearner:
         return int(raw) if raw is not None else 0
 
     async def aclose(self) -> None:
+        """Stop prefetching (a batch it already read stays pending and comes back) and close."""
+        if self._ahead is not None:
+            self._ahead.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ahead
+            self._ahead = None
         if self._own:
             await self.redis.aclose()
 
@@ -199,31 +252,48 @@ class AsyncLearner:
 
 
 class Learner:
-    """Synchronous learner client (an ``AsyncLearner`` driven by a private ``asyncio.Runner``)."""
+    """Synchronous learner client: an ``AsyncLearner`` on an event loop in a background thread, so the
+    next batch is fetched and validated while the caller's optimiser step runs."""
 
     def __init__(self, redis_url: str | None = None, **kwargs: object) -> None:
-        self._runner = asyncio.Runner()
-        self._client: AsyncLearner = self._runner.run(_make(redis_url, kwargs))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="distillq-learner", daemon=True)
+        self._thread.start()
+        try:
+            self._client: AsyncLearner = self._call(_make(redis_url, kwargs))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def next_batch(self, timeout_s: float | None = None) -> LearnerBatch | None:
-        return self._runner.run(self._client.next_batch(timeout_s))
+        return self._call(self._client.next_batch(timeout_s))
 
     def batches(self, timeout_s: float | None = None) -> Iterator[LearnerBatch]:
         while (b := self.next_batch(timeout_s)) is not None:
             yield b
 
     def ack(self, batch: LearnerBatch) -> None:
-        self._runner.run(self._client.ack(batch))
+        self._call(self._client.ack(batch))
 
     def publish_policy_version(self, version: int) -> None:
-        self._runner.run(self._client.publish_policy_version(version))
+        self._call(self._client.publish_policy_version(version))
 
     def policy_version(self) -> int:
-        return self._runner.run(self._client.policy_version())
+        return self._call(self._client.policy_version())
 
     def close(self) -> None:
-        self._runner.run(self._client.aclose())
-        self._runner.close()
+        try:
+            self._call(self._client.aclose())
+        finally:
+            self._stop_loop()
 
     def __enter__(self) -> Learner:
         return self

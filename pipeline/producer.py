@@ -10,8 +10,10 @@ argument: about 5x the CPU of a plain XADD per byte, measured in bench/RESULTS.m
 2. ``MULTI`` / ``XADD`` / ``SET marker written`` / ``EXEC``: the entry and its markers appear together
    or not at all. The marker then records the entry id (best effort, for reporting duplicates).
 
-On Redis Cluster, redis-py offers no MULTI, so step 2 is not available: there one Lua script does all
-of it with the payload (``_RESERVE_AND_ADD``), atomic as well, at the Lua cost per byte.
+Messages up to ``SMALL_MESSAGE_BYTES`` (train batch manifests, headers-sized messages) take one round
+trip instead: one Lua script does the same checks and the write (``_ADD``), atomic as well, where the
+Lua cost per byte is less than a round trip. On Redis Cluster, redis-py offers no MULTI, so step 2 is
+not available and ``_ADD`` is used for every message, at the Lua cost per byte.
 
 A crash between the two steps leaves a reservation that expires after ``RESERVE_MS``, after which a
 redelivered message is written normally. A waiting producer retries only the small script, so a full
@@ -71,10 +73,12 @@ for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3]) end
 return {1, '', -1}
 """
 
-# Redis Cluster: the same checks, and the XADD in the script too. KEYS: stream, [payload key if ARGV[4] is
-# 1], markers...; ARGV: cap, token, ttl ms, 1/0, payload for the payload key (or ''), entry fields...
-_RESERVE_AND_ADD: Final = """
-local first = 2 + tonumber(ARGV[4])
+# One round trip: the same checks, and the write in the script too. Used on Redis Cluster (no MULTI there)
+# and for small messages, where Lua's cost per argument byte is less than a round trip.
+# KEYS: stream, its reservations, [payload key if ARGV[4] is 1], markers...; ARGV: cap, token, ttl ms, 1/0,
+# payload for the payload key (or ''), entry fields...
+_ADD: Final = """
+local first = 3 + tonumber(ARGV[4])
 for i = first, #KEYS do
   local v = redis.call('GET', KEYS[i])
   if v and v ~= ARGV[2] then
@@ -83,12 +87,22 @@ for i = first, #KEYS do
   end
 end
 local cap = tonumber(ARGV[1])
-if cap > 0 and redis.call('XLEN', KEYS[1]) >= cap then return {0, '', -1} end
-if first == 3 then redis.call('SET', KEYS[2], ARGV[5]) end
+if cap > 0 then
+  local t = redis.call('TIME')
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  local held = redis.call('ZCARD', KEYS[2])
+  if redis.call('ZSCORE', KEYS[2], ARGV[2]) then held = held - 1 end
+  if redis.call('XLEN', KEYS[1]) + held >= cap then return {0, '', -1} end
+end
+redis.call('ZREM', KEYS[2], ARGV[2])
+if first == 4 then redis.call('SET', KEYS[3], ARGV[5]) end
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 6))
 for i = first, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[3]) end
 return {1, id, -1}
 """
+
+#: Messages up to this size are written by one script (``_ADD``), larger ones in two steps.
+SMALL_MESSAGE_BYTES: Final = 32 * 1024
 
 #: Stream entry fields: message type, group (or batch) id, msgpack payload; on claim-checked streams
 #: (``pipeline.claimcheck``) a header and the payload's key instead of the payload.
@@ -167,7 +181,7 @@ class StreamProducer:
         self.shards = shards
         self.key = keys.stream(stream)  # the unsharded key; see keys.stream_for
         self._reserve = redis.register_script(_RESERVE)
-        self._reserve_and_add = redis.register_script(_RESERVE_AND_ADD)
+        self._add = redis.register_script(_ADD)
         self._cluster = type(redis).__name__ == "RedisCluster"  # no MULTI there: one script does it all
         self.claim_check = stream in CLAIM_CHECKED  # header in the entry, payload in its own key
 
@@ -213,14 +227,15 @@ class StreamProducer:
         else:
             fields = {F_TYPE: mtype, F_ID: mid, F_DATA: payload}
         token = f"{_PENDING}{token or uuid.uuid4().hex}"
+        single = self._cluster or len(payload) <= SMALL_MESSAGE_BYTES
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.backpressure_timeout_s
         backoff = Backoff(base=0.01, cap=0.5)
         waited_since: float | None = None
         while True:
-            if self._cluster:
+            if single:
                 flat = [x for kv in fields.items() for x in kv]
-                script, keys = self._reserve_and_add, [key, *([blob[0]] if blob else []), *markers]
+                script, keys = self._add, [key, reservations, *([blob[0]] if blob else []), *markers]
                 args: list[bytes | memoryview | str | int] = [
                     s.max_backlog, token, s.dedupe_ttl_s * 1000, int(blob is not None), blob[1] if blob else b"",
                     *flat,
@@ -233,8 +248,7 @@ class StreamProducer:
                 deadline_s=max(1.0, deadline - loop.time()),
             )
             if code == 1:
-                entry = (value.decode() if self._cluster
-                         else await self._write_retrying(key, fields, markers, token, blob))
+                entry = value.decode() if single else await self._write_retrying(key, fields, markers, token, blob)
                 metrics.PRODUCED.labels(self.stream).inc()
                 metrics.PRODUCED_BYTES.labels(self.stream).inc(len(payload))
                 if waited_since is not None:

@@ -20,6 +20,7 @@ FLOAT16: Final = "<f2"
 UINT8: Final = "|u1"
 ALLOWED: Final = frozenset({INT32, FLOAT32, FLOAT16, UINT8})
 _ITEMSIZE: Final = {INT32: 4, FLOAT32: 4, FLOAT16: 2, UINT8: 1}
+_DTYPES: Final = {code: np.dtype(code) for code in ALLOWED}
 
 #: Largest absolute error of a teacher logprob stored as float16, relative to its magnitude:
 #: half a unit in the last place of a 10-bit mantissa. A logprob of -20 is exact to 0.01.
@@ -75,7 +76,8 @@ class Array(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     def numpy(self) -> npt.NDArray[np.generic]:
         """Zero-copy, read-only view of the array (call ``check`` first on untrusted input)."""
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+        a = np.frombuffer(self.data, dtype=_DTYPES.get(self.dtype) or np.dtype(self.dtype))
+        return a if len(self.shape) == 1 else a.reshape(self.shape)
 
     @property
     def nbytes(self) -> int:

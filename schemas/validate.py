@@ -11,6 +11,7 @@ Two levels:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -306,5 +307,5 @@ def validate_manifest(m: BatchManifest, limits: Limits) -> None:
             raise DecodeError(f"batch.refs[{i}]", f"group {r.group_id!r} appears twice")
         seen.add(r.group_id)
     for name, v in (("kl_coef", m.kl_coef), ("reward_weight", m.reward_weight), *(m.stats or {}).items()):
-        if not np.isfinite(v):
+        if not math.isfinite(v):
             raise DecodeError(f"batch.{name}", f"not finite: {v}")
