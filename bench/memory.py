@@ -20,13 +20,14 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import redis.asyncio as aioredis
 
 from bench.transport import VOCAB, Workload, client, drop_namespace, new_group, new_keys
 from pipeline.config import StreamSettings
 from pipeline.keys import Keys
 from pipeline.learner import AsyncLearner
 from pipeline.producer import StreamProducer
-from schemas import Message, RolloutGroup, ScoredGroup, encode
+from schemas import BatchManifest, Message, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_scored
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +92,9 @@ class Soak:
     t: list[float] = field(default_factory=list)
     rss: dict[str, list[float]] = field(default_factory=dict)  # MB per series: teacher, feeder, redis
     backlog: dict[str, list[int]] = field(default_factory=dict)  # entries per stream
+    payload_keys_left: int = 0  # claim-checked payloads still in Redis at the end
+    payloads_in_flight: int = 0  # of those, held by scored entries or by batches not yet acked
+    markers_left: int = 0  # dedupe markers at the end (they live for dedupe_ttl_s)
 
     def slope_mb_per_min(self, name: str, skip_frac: float = 0.2) -> float:
         t, y = np.asarray(self.t), np.asarray(self.rss[name])
@@ -122,6 +126,22 @@ async def _wait_ready(r: Any, keys: Keys, procs: list[subprocess.Popen[bytes]]) 
             return
         await asyncio.sleep(0.2)
     raise RuntimeError("worker processes did not start")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(30)
+
+
+async def _count_leftovers(r: aioredis.Redis, keys: Keys, out: Soak) -> None:
+    """Payload keys and dedupe markers left once the pipeline is at rest, and the payloads still owned."""
+    out.payload_keys_left = sum([1 async for _ in r.scan_iter(match=f"{{{keys.namespace}:scored*:payload:*")])
+    batches = [decode(f[b"d"]) for _, f in await r.xrange(keys.stream("batches"))]
+    out.payloads_in_flight = int(await r.xlen(keys.stream("scored"))) + sum(
+        len(b.refs) for b in batches if isinstance(b, BatchManifest))
+    out.markers_left = sum([1 async for _ in r.scan_iter(match=f"{{{keys.namespace}:*:seen:*")])
 
 
 async def soak(url: str, minutes: float, rate: float, work: Workload | None = None) -> Soak:
@@ -165,11 +185,11 @@ async def soak(url: str, minutes: float, rate: float, work: Workload | None = No
             await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await learner.aclose()
+        _stop(procs)  # the workers first, so the count below is of a pipeline at rest
+        await _count_leftovers(r, keys, out)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(30)
+        _stop(procs)
         await drop_namespace(r, keys)
         for c in (r, learner.redis, producer.redis):
             await c.aclose()

@@ -219,7 +219,11 @@ def row_rss(s: Suite) -> None:
               f"{a:.1f} -> {b:.1f}", "-", f"{slope:+.2f} MB/min", "flat (report)")
     left = {k: v[-1] for k, v in so.backlog.items()}
     s.notes.append(f"rss soak: {so.groups} groups reached the learner ({so.groups / (minutes * 60):.1f}/s of "
-                   f"{so.rate:g}/s offered); backlog at the end {left}.")
+                   f"{so.rate:g}/s offered); backlog at the end {left}; payload keys left "
+                   f"{so.payload_keys_left}, of which {so.payloads_in_flight} held by scored entries or unacked "
+                   f"batches (leaked: {so.payload_keys_left - so.payloads_in_flight}); "
+                   f"dedupe markers {so.markers_left} (they expire after dedupe_ttl_s: Redis memory grows "
+                   "with them until then).")
 
 
 RUNNERS: dict[str, Callable[[Suite], None]] = {

@@ -48,7 +48,7 @@ class StreamSettings(BaseSettings):
     claim_idle_ms: int = Field(60_000, ge=1, description="reclaim entries pending this long")
     claim_interval_ms: int = Field(5_000, ge=1)
     max_deliveries: int = Field(5, ge=1, description="dead-letter after this many failed deliveries")
-    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=1)
+    dedupe_ttl_s: int = Field(24 * 3600, ge=1)  # must outlast the longest worker outage
     heartbeat_interval_s: float = Field(5.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
     max_message_bytes: int = Field(512 << 20, ge=1024)

@@ -15,8 +15,9 @@ Batches are read through the ``learner`` consumer group under a stable consumer 
 The feeder writes batches by reference (``BatchManifest``): the client fetches the groups' payloads in
 one round trip, validates every value, computes the per-token advantages (``pipeline.batching``) and
 deletes the payloads when the batch is acknowledged. A group whose payload is invalid or gone is
-dead-lettered (stage ``learner``, with its bytes) and left out of the batch; the rest trains.
-Arrays are zero-copy numpy views into the received payloads.
+dead-lettered (stage ``learner``, with its bytes) and left out of the batch; the rest trains. By
+default the next batch is read in the background while the caller trains on the current one
+(``prefetch``). Arrays are zero-copy numpy views into the received payloads.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class AsyncLearner:
                 raw = await self._read(left)
             else:
                 if self._ahead is None:
-                    self._ahead = asyncio.ensure_future(self._read(None))
+                    self._ahead = self._start_read()
                 try:
                     raw = await asyncio.wait_for(asyncio.shield(self._ahead), left)
                 except TimeoutError:
@@ -140,12 +141,18 @@ class AsyncLearner:
                     if self._ahead.done():  # it failed: the next call starts afresh
                         self._ahead = None
                     raise
-                self._ahead = asyncio.ensure_future(self._read(None))  # the next one, in the background
+                self._ahead = self._start_read()  # the next one, in the background
             if raw is None:
                 return None
             got = await self._build(raw)
             if got is not None:
                 return got
+
+    def _start_read(self) -> asyncio.Task[_Raw | None]:
+        task = asyncio.ensure_future(self._read(None))
+        # Its error, if any, is raised by the next call; mark it seen so an abandoned one is not logged.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
 
     async def _read(self, timeout_s: float | None) -> _Raw | None:
         """The next batch entry, decoded, with its groups' payloads fetched (one MGET); not validated yet."""
