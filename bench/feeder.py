@@ -1,6 +1,6 @@
 """Feeder throughput vs a bare read-decode-ack loop over the same stream (issue 5; not a test).
 
-    python -m bench.feeder [--groups 400] [--seq-len 512] [--k 8] [--rounds 3]
+    python -m bench.feeder [--groups 1000] [--seq-len 512] [--k 8] [--rounds 3]
 
 Each round fills the scored stream with the same N groups (as teacher workers write them: a header
 entry plus the payload in its own key, see ``pipeline.claimcheck``), then (a) drains it with a bare
@@ -138,7 +138,7 @@ async def feeder(url: str, keys: Keys, n: int, prefetch: bool = True) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--groups", type=int, default=400)
+    ap.add_argument("--groups", type=int, default=1000)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
