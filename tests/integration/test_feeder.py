@@ -221,3 +221,43 @@ async def test_bad_header_and_bad_payload_are_dead_lettered_with_their_bytes(r: 
     assert decode(dlq["g000"][b"orig_d"], expect=ScoredGroup).group_id == "g000"  # the payload went with it
     assert dlq["g001"][b"stage"] == b"learner" and dlq["g001"][b"orig_d"] == b"\x93garbage payload"
     assert await payload_keys(r, keys) == []
+
+
+async def test_prefetched_batch_is_not_lost_when_the_learner_closes(r: aioredis.Redis, keys: Keys) -> None:
+    """The client reads the next batch while the caller trains: closing it then must leave that batch
+    pending for the next learner under the same name, never lose it."""
+    await push_scored(r, keys, 3)
+    feeder = Feeder(r, keys, BatchingConfig(max_batch_groups=1, max_wait_s=0), ConstantKL(0.1), fast())
+    await asyncio.wait_for(feeder.run(asyncio.Event(), burst=True), 20)
+    first = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
+    one = await first.next_batch(timeout_s=2)
+    assert one is not None
+    await first.ack(one)
+
+    async def prefetched() -> bool:
+        return int((await r.xpending(keys.stream("batches"), "learner"))["pending"]) == 1
+
+    for _ in range(100):  # the background read of the second batch
+        if await prefetched():
+            break
+        await asyncio.sleep(0.02)
+    assert await prefetched()
+    await first.aclose()  # the caller never saw the prefetched batch
+    second = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast(), prefetch=False)
+    got = [b async for b in second.batches(timeout_s=0.5)]
+    assert [b.redelivered for b in got] == [True, False]  # the prefetched one first, then the last
+    assert sorted(one.group_ids + [g for b in got for g in b.group_ids]) == ["g000", "g001", "g002"]
+    for b in got:
+        await second.ack(b)
+    assert await payload_keys(r, keys) == []
+
+
+def test_sync_learner_raises_the_clients_errors_and_closes(redis_url: str, keys: Keys) -> None:
+    """The sync client runs its loop in a thread: errors come back to the caller, close stops the thread."""
+    learner = Learner(redis_url, namespace=keys.namespace, settings=fast())
+    assert learner.next_batch(timeout_s=0.1) is None
+    thread = learner._thread
+    with pytest.raises(ValueError):
+        learner.publish_policy_version("not a number")  # type: ignore[arg-type]
+    learner.close()
+    assert not thread.is_alive()
