@@ -48,6 +48,11 @@ def is_cluster_url(url: str) -> bool:
     return url.startswith((CLUSTER_SCHEME, "rediss+cluster://"))
 
 
+def is_cluster_client(redis: object) -> bool:
+    """Whether ``redis`` is a RedisCluster (no MULTI; multi-key commands only within one slot)."""
+    return type(redis).__name__ == "RedisCluster"
+
+
 def _connect_cluster(settings: RedisSettings, kwargs: dict[str, object]) -> aioredis.Redis:
     """``redis+cluster://[user:pass@]host:port,host:port`` -> a RedisCluster (same command API)."""
     from urllib.parse import urlsplit

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from redis.exceptions import ResponseError
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
+from pipeline.connection import is_cluster_client
 from pipeline.keys import Keys
 from pipeline.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
 
@@ -89,6 +90,26 @@ async def resolve_payloads(redis: aioredis.Redis, entries: Sequence[dict[bytes, 
     return [F_DATA in f for f in entries]
 
 
+def dead_letter_fields(
+    stage: str, reason: str, source: str, source_id: str, consumer: str, original: Mapping[bytes, bytes],
+    **extra: str | int,
+) -> dict[bytes | str, bytes | str | int]:
+    """A dead-letter entry: who gave up, why, where the entry came from, and its fields (``orig_*``)."""
+    fields: dict[bytes | str, bytes | str | int] = {
+        "stage": stage, "reason": reason[:2000], "source": source, "source_id": source_id,
+    }
+    fields.update(extra)
+    fields.update(consumer=consumer, at_ms=int(time.time() * 1000))
+    for k, v in original.items():
+        fields[b"orig_" + k] = v
+    return fields
+
+
+def dead_letter_category(reason: str) -> str:
+    """The metric label of a dead-letter reason: its ``category:`` prefix."""
+    return reason.split(":", 1)[0][:64]
+
+
 def _entry_id(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
@@ -113,6 +134,7 @@ class StreamConsumer:
     ) -> None:
         self.redis, self.keys, self.stream, self.name = redis, keys, stream, name
         self.resolve_payloads = resolve_payloads
+        self._cluster = is_cluster_client(redis)
         self.settings = settings or StreamSettings()
         self.shard = shard
         self.key = keys.stream(stream, shard, shards)
@@ -251,7 +273,7 @@ class StreamConsumer:
         if not ids:
             return
         blobs = [] if keep_payloads else [d.fields[F_REF] for d in deliveries if F_REF in d.fields]
-        cluster = type(self.redis).__name__ == "RedisCluster"
+        cluster = self._cluster
         async with self.redis.pipeline(transaction=False) as p:
             p.xack(self.key, self.group, *ids)
             p.xdel(self.key, *ids)
@@ -267,26 +289,15 @@ class StreamConsumer:
 
     async def dead_letter(self, d: Delivery, reason: str) -> None:
         """Move an entry to the dead-letter stream with its stage and reason, then ack it."""
-        fields: dict[bytes | str, bytes | str | int] = {
-            "stage": self.stage,
-            "reason": reason[:2000],
-            "source": self.stream,
-            "source_id": d.entry_id,
-            "source_shard": d.shard,
-            "deliveries": d.deliveries,
-            "consumer": self.name,
-            "at_ms": int(time.time() * 1000),
-        }
         if F_REF in d.fields and F_DATA not in d.fields:  # keep the payload with the dead letter
             blob = await self.redis.get(d.fields[F_REF])
             if blob is not None:
                 d.fields[F_DATA] = blob
-        for k, v in d.fields.items():
-            fields[b"orig_" + k] = v
+        fields = dead_letter_fields(self.stage, reason, self.stream, d.entry_id, self.name, d.fields,
+                                    source_shard=d.shard, deliveries=d.deliveries)
         await self.redis.xadd(self.keys.dlq, fields)  # type: ignore[arg-type]
         await self.ack([d])
-        short = reason.split(":", 1)[0][:64]
-        metrics.DEAD_LETTERED.labels(self.stage, short).inc()
+        metrics.DEAD_LETTERED.labels(self.stage, dead_letter_category(reason)).inc()
         log.warning("dead_lettered", stream=self.stream, entry_id=d.entry_id, group_id=d.group_id, reason=reason)
 
     async def pending_count(self) -> int:

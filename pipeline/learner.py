@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -39,8 +38,8 @@ import structlog
 from pipeline import metrics
 from pipeline.batching import materialize
 from pipeline.config import StreamSettings, redis_settings
-from pipeline.connection import connect, retry_transient
-from pipeline.consumer import Delivery, StreamConsumer
+from pipeline.connection import connect, is_cluster_client, retry_transient
+from pipeline.consumer import Delivery, StreamConsumer, dead_letter_category, dead_letter_fields
 from pipeline.keys import Keys
 from pipeline.producer import F_DATA, F_ID, F_TYPE
 from schemas import BatchManifest, DecodeError, GroupRef, Limits, ScoredGroup, TrainBatch, decode
@@ -113,7 +112,7 @@ class AsyncLearner:
         self.consumer = StreamConsumer(self.redis, self.keys, "batches", consumer_name, self.settings, stage="learner")
         # Full validation of every group (the feeder reads headers only; this is where values are checked).
         self.limits = limits or self.settings.limits()
-        self._cluster = type(self.redis).__name__ == "RedisCluster"
+        self._cluster = is_cluster_client(self.redis)
         self._ready = False
         self.prefetch = prefetch
         self._ahead: asyncio.Task[_Raw | None] | None = None
@@ -211,16 +210,12 @@ class AsyncLearner:
         self, d: Delivery, m: BatchManifest, ref: GroupRef, data: bytes | None, reason: str
     ) -> None:
         """One group of a batch to the DLQ (its bytes, if any, replayable onto ``scored``), then delete it."""
-        fields: dict[bytes | str, bytes | str | int] = {
-            "stage": "learner", "reason": reason[:2000], "source": "scored", "source_id": ref.entry_id,
-            "batch_id": m.batch_id, "batch_entry": d.entry_id, "consumer": self.consumer.name,
-            "at_ms": int(time.time() * 1000), b"orig_" + F_TYPE: b"scored", b"orig_" + F_ID: ref.group_id,
-        }
-        if data is not None:
-            fields[b"orig_" + F_DATA] = data
+        original = {F_TYPE: b"scored", F_ID: ref.group_id.encode(), **({F_DATA: data} if data is not None else {})}
+        fields = dead_letter_fields("learner", reason, "scored", ref.entry_id, self.consumer.name, original,
+                                    batch_id=m.batch_id, batch_entry=d.entry_id)
         await retry_transient(lambda: self.redis.xadd(self.keys.dlq, fields), deadline_s=60)  # type: ignore[arg-type]
         await retry_transient(lambda: self.redis.delete(ref.key), deadline_s=60)
-        metrics.DEAD_LETTERED.labels("learner", reason.split(":", 1)[0][:64]).inc()
+        metrics.DEAD_LETTERED.labels("learner", dead_letter_category(reason)).inc()
         log.warning("group_dead_lettered", batch_id=m.batch_id, group_id=ref.group_id, reason=reason)
 
     async def batches(self, timeout_s: float | None = None) -> AsyncIterator[LearnerBatch]:

@@ -38,7 +38,7 @@ import structlog
 from pipeline import metrics
 from pipeline.claimcheck import CLAIM_CHECKED, encode_header
 from pipeline.config import StreamSettings
-from pipeline.connection import Backoff, retry_transient
+from pipeline.connection import Backoff, is_cluster_client, retry_transient
 from pipeline.keys import Keys
 from schemas import BatchManifest, Message, RolloutGroup, ScoredGroup, TrainBatch, encode
 
@@ -182,7 +182,7 @@ class StreamProducer:
         self.key = keys.stream(stream)  # the unsharded key; see keys.stream_for
         self._reserve = redis.register_script(_RESERVE)
         self._add = redis.register_script(_ADD)
-        self._cluster = type(redis).__name__ == "RedisCluster"  # no MULTI there: one script does it all
+        self._cluster = is_cluster_client(redis)  # no MULTI there: one script does it all
         self.claim_check = stream in CLAIM_CHECKED  # header in the entry, payload in its own key
 
     async def send(self, msg: Message, *, stop: asyncio.Event | None = None, token: str | None = None) -> Added:
