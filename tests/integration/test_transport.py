@@ -45,9 +45,10 @@ async def test_produce_consume_ack_deletes(r: aioredis.Redis, keys: Keys) -> Non
     assert await r.xlen(keys.stream("rollouts")) == 0  # acked entries are deleted
 
 
-async def test_dedupe_by_group_id(r: aioredis.Redis, keys: Keys) -> None:
+@pytest.mark.parametrize("tokens", [8, 9000], ids=["one_script", "reserve_then_multi"])
+async def test_dedupe_by_group_id(r: aioredis.Redis, keys: Keys, tokens: int) -> None:
     prod = StreamProducer(r, keys, "scored", fast())
-    g = ScoredGroup(group=synthetic_rollout(1, 8, group_id="same"), status=DistillStatus.SKIPPED, reason="r")
+    g = ScoredGroup(group=synthetic_rollout(1, tokens, group_id="same"), status=DistillStatus.SKIPPED, reason="r")
     first = await prod.send(g)
     second = await prod.send(g)
     assert first.result is AddResult.ADDED and second.result is AddResult.DUPLICATE

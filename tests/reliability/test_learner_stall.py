@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pipeline.keys import Keys
-from pipeline.producer import AddResult, ProducerStopped, StreamProducer
+from pipeline.producer import SMALL_MESSAGE_BYTES, AddResult, ProducerStopped, StreamProducer
 from schemas import encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer
@@ -154,17 +154,22 @@ async def _true(x: bool) -> bool:
     return x
 
 
-async def test_backlog_cap_holds_under_concurrent_producers(private_redis: RedisServer, namespace: str) -> None:
+@pytest.mark.parametrize("tokens", [8, 9000], ids=["one_script", "reserve_then_multi"])
+async def test_backlog_cap_holds_under_concurrent_producers(
+    private_redis: RedisServer, namespace: str, tokens: int
+) -> None:
+    """Both write paths of the producer: small messages (one script) and large ones (reservation, then MULTI)."""
+    assert (len(encode(synthetic_rollout(1, tokens))) <= SMALL_MESSAGE_BYTES) == (tokens == 8)
     keys = Keys(namespace)
     r = redis_client(private_redis.url)
     prod = StreamProducer(r, keys, "rollouts", fast_settings(max_backlog=CAP, backpressure_timeout_s=30))
     for i in range(CAP - 1):
-        await prod.send(synthetic_rollout(1, 8, group_id=f"a{i}"))
+        await prod.send(synthetic_rollout(1, tokens, group_id=f"a{i}"))
     stop = asyncio.Event()
 
     async def one(i: int) -> None:
         with contextlib.suppress(ProducerStopped):
-            await prod.send(synthetic_rollout(1, 8, group_id=f"b{i}"), stop=stop)
+            await prod.send(synthetic_rollout(1, tokens, group_id=f"b{i}"), stop=stop)
 
     tasks = [asyncio.create_task(one(i)) for i in range(10)]
     await asyncio.sleep(1.0)
@@ -172,5 +177,5 @@ async def test_backlog_cap_holds_under_concurrent_producers(private_redis: Redis
     await asyncio.gather(*tasks)
     length = int(await r.xlen(keys.stream("rollouts")))
     await r.aclose()
-    report("backlog_cap_concurrent_producers", cap=CAP, concurrent_sends=10, length=length)
+    report("backlog_cap_concurrent_producers", cap=CAP, concurrent_sends=10, length=length, path=tokens)
     assert length <= CAP
