@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from pipeline.batching import BatchingConfig
 from pipeline.claimcheck import decode_header
 from pipeline.config import StreamSettings
+from pipeline.consumer import StreamConsumer
 from pipeline.feeder import Feeder
 from pipeline.keys import Keys
 from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
@@ -261,3 +262,30 @@ def test_sync_learner_raises_the_clients_errors_and_closes(redis_url: str, keys:
         learner.publish_policy_version("not a number")  # type: ignore[arg-type]
     learner.close()
     assert not thread.is_alive()
+
+
+async def test_missing_payloads_are_dead_lettered_never_handed_out(r: aioredis.Redis, keys: Keys) -> None:
+    """A payload key deleted behind the pipeline's back: a resolving reader dead-letters the entry
+    (``payload_missing``); the learner dead-letters that group and trains on the rest of the batch."""
+    await push_scored(r, keys, 4)
+    rows = await r.xrange(keys.stream("scored"))
+    await r.delete(rows[0][1][b"p"])  # g000: gone before anyone read it
+    reader = StreamConsumer(r, keys, "scored", "tool", fast(), group="tools")
+    await reader.ensure_group()
+    got = await reader.read(10)
+    assert [d.group_id for d in got] == ["g001", "g002", "g003"] and all(d.payload for d in got)
+    reader.release(got)
+    stats = await asyncio.wait_for(
+        Feeder(r, keys, BatchingConfig(max_wait_s=3600), ConstantKL(0.1), fast()).run(asyncio.Event(), burst=True),
+        20)
+    assert stats.outcomes["batched"] == 3  # g000 left the stream as a dead letter; the feeder reads headers only
+    await r.delete(rows[1][1][b"p"])  # g001: gone after batching
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
+    b = await learner.next_batch(timeout_s=2)
+    assert b is not None and b.group_ids == ["g002", "g003"]
+    await learner.ack(b)
+    letters = {f[b"orig_gid"].decode(): f for _, f in await r.xrange(keys.dlq)}
+    assert set(letters) == {"g000", "g001"}
+    assert letters["g000"][b"stage"] == b"tools" and letters["g000"][b"reason"].startswith(b"payload_missing")
+    assert letters["g001"][b"stage"] == b"learner" and letters["g001"][b"reason"].startswith(b"payload_missing")
+    assert await payload_keys(r, keys) == []
