@@ -11,6 +11,14 @@ Rules (the reference system's, made explicit):
   Retryable failures are retried (bounded, exponential backoff with a cap); if any sequence of a group
   still fails, or comes back misaligned, the whole group is DROPPED with the reason and no payload, and
   is still returned.
+
+Each teacher answer is checked once. Per sequence, as it arrives (``result_problem(values=False)``):
+the shapes and that every top-k row is sorted (all rows) -> ``misaligned: ... (sequence i)``. Per group,
+on the encoded payload (``schemas.validate.validate_teacher_part``, what the feeder checks): payload
+count and k, shapes, finite logprobs, ids ``>= 0`` (and below ``limits.vocab_size`` when set) and the
+position-convention spot check -> ``misaligned: scored.teacher[i].<field>: <reason>``. The rollout half
+is not re-validated here: the groups come from ``decode``, which validated them (callers that build
+groups in process must pass valid ones).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from pipeline.teacher.base import (
 from schemas.arrays import Array
 from schemas.build import make_teacher
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
-from schemas.validate import DecodeError, Limits, validate
+from schemas.validate import DecodeError, Limits, validate_teacher_part
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +66,7 @@ class ScoringConfig:
     backoff_max_s: float = 8.0
     k_over_cap: Literal["clamp", "drop"] = "clamp"
     fp16_topk: bool = False  # store top-k logprobs as float16 on the wire
-    concurrent_calls: int = 1  # backend calls in flight at once (raise for HTTP teachers)
+    concurrent_calls: int = 1  # backend calls in flight at once, over all batches (raise for HTTP teachers)
 
     def __post_init__(self) -> None:
         if self.default_k < 1:
@@ -152,6 +160,10 @@ class Scorer:
         self.stats = stats or ScoringStats()
         self._sleep = sleep
         self._clock = clock
+        # One limit on backend calls for the whole Scorer: a worker with two read batches in flight (the
+        # default, so that one batch's outputs are written while the next is scored) still sends at most
+        # ``concurrent_calls`` calls at once. Made per event loop (a semaphore binds to its loop).
+        self._calls: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     def group_k(self, group: RolloutGroup) -> tuple[int, str | None]:
         """``(k, None)`` with the k to use for ``group``, or ``(k, reason)`` when it must be dropped."""
@@ -210,8 +222,8 @@ class Scorer:
             scored = ScoredGroup(
                 group=group, status=DistillStatus.OK, teacher=payload, k=k, teacher_id=ident, scored_at=now
             )
-            try:  # what the feeder will check, checked here: a bad payload is dropped, not emitted
-                validate(scored, self.limits)
+            try:  # what the feeder will check of the teacher half: a bad payload is dropped, not emitted
+                validate_teacher_part(scored, self.limits)
             except DecodeError as e:
                 outcome = (DistillStatus.DROPPED, f"{MISALIGNED}: {e}")
             else:
@@ -240,7 +252,7 @@ class Scorer:
                 if it.group in done:
                     continue
                 if isinstance(out, ScoreResult):
-                    problem = result_problem(it.req, out)
+                    problem = result_problem(it.req, out, values=False)
                     if problem is None:
                         results[(it.group, it.seq)] = out
                         continue
@@ -256,8 +268,14 @@ class Scorer:
                 break
         return results
 
+    def _call_limit(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._calls is None or self._calls[0] is not loop:
+            self._calls = (loop, asyncio.Semaphore(self.config.concurrent_calls))
+        return self._calls[1]
+
     async def _run_calls(self, items: list[_Item]) -> list[tuple[_Item, ScoreOutcome]]:
-        sem = asyncio.Semaphore(self.config.concurrent_calls)
+        sem = self._call_limit()
 
         async def call(batch: list[_Item]) -> list[tuple[_Item, ScoreOutcome]]:
             async with sem:

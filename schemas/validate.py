@@ -11,6 +11,7 @@ Two levels:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NoReturn
@@ -19,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.arrays import (
+    _DTYPES,
     _ITEMSIZE,
     FLOAT16,
     FLOAT16_MAX_RELATIVE_ERROR,
@@ -46,8 +48,15 @@ _I32 = (INT32,)
 _U8 = (UINT8,)
 _F32 = (FLOAT32,)
 _LOGPROB = (FLOAT32, FLOAT16)
+_I32_DTYPE = np.dtype(INT32)
+_F32_DTYPE = np.dtype(FLOAT32)
+_UNSIGNED = {INT32: np.dtype("<u4")}  # same-size unsigned view of each id dtype
+_INT32_LIMIT = 1 << 31
+_MAX, _MIN, _ALL, _ANY = np.maximum.reduce, np.minimum.reduce, np.logical_and.reduce, np.logical_or.reduce
 
-#: One teacher payload's arrays queued for the position-convention spot check.
+#: One checked teacher payload: ``(name, topk_ids [rows, k], topk_logprobs [rows, k], sampled_logprobs)``.
+_Payload = tuple[str, npt.NDArray[np.generic], npt.NDArray[np.generic], npt.NDArray[np.generic]]
+#: A payload queued for the position-convention spot check, with its sequence's tokens last.
 _Convention = tuple[str, npt.NDArray[np.generic], npt.NDArray[np.generic], npt.NDArray[np.generic],
                     npt.NDArray[np.generic]]
 
@@ -101,25 +110,39 @@ def _shape(a: Array, name: str, field: str, dtypes: tuple[str, ...], ndim: int) 
     _bad_array(a, name + field, dtypes, ndim)
 
 
-def _finite(x: npt.NDArray[np.generic], name: str) -> None:
+def _finite(x: npt.NDArray[np.generic], name: str, field: str = "") -> None:
+    """No inf or nan in ``x`` (float32 or float16); the field name ``name + field`` is built only on error."""
     if not x.size:
         return
     # float16: exponent bits all ones <=> inf or nan (float16 arithmetic is slow). float32: one pass,
-    # faster than a float64 sum or min+max on the unaligned views decoding yields.
-    f16 = x.dtype == np.float16
-    if not (int((x.view(np.uint16) & 0x7C00).max()) != 0x7C00 if f16 else np.isfinite(x).all()):
+    # faster than a float64 sum or min+max on the unaligned views decoding yields. The ufunc reductions
+    # are called directly: ``ndarray.all``/``max`` add a Python-level wrapper per call.
+    if x.dtype == np.float16:
+        ok = int(_MAX(np.bitwise_and(x.view(np.uint16), 0x7C00), axis=None)) != 0x7C00
+    else:
+        ok = bool(_ALL(np.isfinite(x), axis=None))
+    if not ok:
         bad = int(np.flatnonzero(~np.isfinite(x.reshape(-1)))[0])
-        raise DecodeError(name, f"non-finite value at flat index {bad}")
+        raise DecodeError(name + field, f"non-finite value at flat index {bad}")
 
 
-def _ids(x: npt.NDArray[np.generic], name: str, limits: Limits) -> None:
+def _ids(x: npt.NDArray[np.generic], name: str, field: str, limits: Limits) -> None:
+    """Token ids (int32) in ``[0, vocab_size)`` (``>= 0`` without a vocabulary), in one pass.
+
+    Viewed as unsigned, a negative int32 is ``>= 2**31``, so the unsigned maximum is below
+    ``min(vocab_size, 2**31)`` exactly when every id is in range; the minimum (and, with a vocabulary,
+    the maximum) is computed only to name the offending id.
+    """
     if not x.size:
         return
-    lo, hi = int(x.min()), int(x.max())
+    vocab = limits.vocab_size
+    bound = _INT32_LIMIT if vocab is None else min(vocab, _INT32_LIMIT)
+    if int(_MAX(x.view(_UNSIGNED[x.dtype.str]), axis=None)) < bound:
+        return
+    lo = int(_MIN(x, axis=None))
     if lo < 0:
-        raise DecodeError(name, f"negative token id {lo}")
-    if limits.vocab_size is not None and hi >= limits.vocab_size:
-        raise DecodeError(name, f"token id {hi} outside vocabulary of {limits.vocab_size}")
+        raise DecodeError(name + field, f"negative token id {lo}")
+    raise DecodeError(name + field, f"token id {int(_MAX(x, axis=None))} outside vocabulary of {vocab}")
 
 
 def _per_token(a: Array | None, name: str, field: str, n: int, limits: Limits) -> None:
@@ -128,7 +151,7 @@ def _per_token(a: Array | None, name: str, field: str, n: int, limits: Limits) -
     if _shape(a, name, field, _F32, 1)[0] != n:
         raise DecodeError(name + field, f"length {a.shape[0]} != {n} tokens")
     if limits.check_values:
-        _finite(a.numpy(), name + field)
+        _finite(np.frombuffer(a.data, _F32_DTYPE), name, field)
 
 
 def validate_sequence(seq: Sequence, name: str, limits: Limits) -> None:
@@ -146,15 +169,15 @@ def validate_sequence(seq: Sequence, name: str, limits: Limits) -> None:
         if not 0 < start <= end <= n:
             raise DecodeError(f"{name}.spans[{i}]", f"[{start}, {end}) outside (0, {n}]")
     if limits.check_values:
-        _ids(seq.tokens.numpy(), f"{name}.tokens", limits)
-        mask = seq.loss_mask.numpy()
-        if int(mask.max()) > 1:
+        _ids(np.frombuffer(seq.tokens.data, _I32_DTYPE), name, ".tokens", limits)
+        mask = np.frombuffer(seq.loss_mask.data, np.uint8)
+        if int(_MAX(mask)) > 1:
             raise DecodeError(f"{name}.loss_mask", "values must be 0 or 1")
-        if mask[: max(seq.prompt_len, 1)].any():
+        if _ANY(mask[: max(seq.prompt_len, 1)]):
             raise DecodeError(f"{name}.loss_mask", "prompt positions (and position 0) must be 0")
 
 
-def _teacher(t: TeacherPayload, n: int, name: str, limits: Limits) -> _Convention | None:
+def _teacher(t: TeacherPayload, n: int, name: str, limits: Limits) -> _Payload | None:
     """Check one payload against a sequence of ``n`` tokens; return its arrays for the convention check."""
     if not 1 <= t.k <= limits.max_k:
         raise DecodeError(f"{name}.k", f"{t.k} outside [1, {limits.max_k}]")
@@ -170,62 +193,87 @@ def _teacher(t: TeacherPayload, n: int, name: str, limits: Limits) -> _Conventio
         raise DecodeError(f"{name}.sampled_logprobs", f"shape {shape} != ({n - 1},)")
     if not limits.check_values:
         return None
-    ids, lps, sampled = t.topk_ids.numpy(), t.topk_logprobs.numpy(), t.sampled_logprobs.numpy()
-    _ids(ids, f"{name}.topk_ids", limits)
-    _finite(lps, f"{name}.topk_logprobs")
-    _finite(sampled, f"{name}.sampled_logprobs")
-    return name, ids, lps, sampled, np.empty(0)
+    # Flat views (the shapes were just checked): the value checks need no shape, the convention
+    # check reshapes the two it indexes by row.
+    ids = np.frombuffer(t.topk_ids.data, _I32_DTYPE)
+    lps = np.frombuffer(t.topk_logprobs.data, _DTYPES[t.topk_logprobs.dtype])
+    sampled = np.frombuffer(t.sampled_logprobs.data, _F32_DTYPE)
+    _ids(ids, name, ".topk_ids", limits)
+    _finite(lps, name, ".topk_logprobs")
+    _finite(sampled, name, ".sampled_logprobs")
+    return name, ids.reshape(rows), lps.reshape(rows), sampled
 
 
 def validate_teacher(t: TeacherPayload, tokens: npt.NDArray[np.generic], name: str, limits: Limits) -> None:
     part = _teacher(t, tokens.shape[0], name, limits)
     if part is not None:
-        _check_convention([(*part[:4], tokens)], limits)
+        _check_convention([(*part, tokens)], limits)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spot_rows(n_rows: int, m: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """``m`` distinct rows evenly spread over ``n_rows`` (first and last included), and the rows + 1."""
+    rows = np.arange(m) * (n_rows - 1) // max(m - 1, 1)
+    nxt = rows + 1
+    rows.flags.writeable = nxt.flags.writeable = False  # shared by every caller
+    return rows, nxt
 
 
 def _check_convention(parts: list[_Convention], limits: Limits) -> None:
     """Row r must describe token r+1: its sampled logprob matches its top-k entry or lies below row r.
 
     Spot-checks up to ``limits.check_rows`` evenly spread rows of every payload, all payloads at once
-    (they share k). Each part is ``(name, topk_ids, topk_logprobs, sampled_logprobs, tokens)``.
+    (they share k): rows sorted (within ``logprob_tolerance``), none starting above 0, and the sampled
+    logprob agreeing with the sampled token's top-k entry, or not above the row's last entry when the
+    token is not in the top k. Each part is ``(name, topk_ids, topk_logprobs, sampled_logprobs, tokens)``
+    with the top-k arrays shaped ``[rows, k]``.
     """
-    picked = []
+    picked: list[tuple[str, npt.NDArray[np.intp], float]] = []
+    g_ids, g_lps, g_sampled, g_labels = [], [], [], []
+    check_rows = limits.check_rows
     for name, ids, lps, sampled, tokens in parts:
         n_rows = ids.shape[0]
         if n_rows:
-            m = min(limits.check_rows, n_rows)
-            rows = np.arange(m) * (n_rows - 1) // max(m - 1, 1)  # distinct, includes first and last
-            rel = FLOAT16_MAX_RELATIVE_ERROR if lps.dtype == np.float16 else 0.0
-            picked.append((name, rows, rel, ids[rows], lps[rows], sampled[rows], tokens[rows + 1]))
+            rows, nxt = _spot_rows(n_rows, min(check_rows, n_rows))
+            picked.append((name, rows, FLOAT16_MAX_RELATIVE_ERROR if lps.dtype == np.float16 else 0.0))
+            g_ids.append(ids.take(rows, 0))
+            g_lps.append(lps.take(rows, 0))
+            g_sampled.append(sampled.take(rows))
+            g_labels.append(tokens.take(nxt))
     if not picked:
         return
-    counts = [len(p[1]) for p in picked]
-    r_ids = np.concatenate([p[3] for p in picked])
-    r_lps = np.concatenate([p[4] for p in picked]).astype(np.float64)
-    r_sampled = np.concatenate([p[5] for p in picked]).astype(np.float64)
-    labels = np.concatenate([p[6] for p in picked])
+    r_ids = np.concatenate(g_ids)
+    r_lps = np.concatenate(g_lps, dtype=np.float64)
+    r_sampled = np.concatenate(g_sampled, dtype=np.float64)
+    labels = np.concatenate(g_labels)
+    m, k = r_lps.shape
     atol = limits.logprob_tolerance
-    tol = atol + np.repeat([p[2] for p in picked], counts) * np.abs(r_sampled)
+    tol: float | npt.NDArray[np.float64] = atol
+    if any(p[2] for p in picked):  # float16 top-k: its rounding error grows with the magnitude
+        tol = atol + np.repeat([p[2] for p in picked], [len(p[1]) for p in picked]) * np.abs(r_sampled)
 
-    def fail(flat: npt.NDArray[np.bool_] | np.bool_, field: str, reason: str) -> NoReturn:
+    def fail(flat: npt.NDArray[np.bool_], field: str, reason: str) -> NoReturn:
         i = int(np.flatnonzero(flat)[0])
-        for (name, rows, *_), c in zip(picked, counts, strict=True):
-            if i < c:
-                r = int(rows[i])
-                raise DecodeError(f"{name}.{field}", reason.format(r=r, token=int(labels[i])))
-            i -= c
+        for name, rows, _ in picked:
+            if i < len(rows):
+                raise DecodeError(f"{name}.{field}", reason.format(r=int(rows[i]), token=int(labels[i])))
+            i -= len(rows)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    unsorted = (r_lps[:, 1:] - r_lps[:, :-1] > atol).any(axis=1)
-    if unsorted.any():
-        fail(unsorted, "topk_logprobs", "row {r} is not sorted by logprob, highest first")
-    if (r_lps[:, 0] > atol).any():
-        fail(r_lps[:, 0] > atol, "topk_logprobs", "logprob above 0 in row {r}")
-    hit = r_ids == labels[:, None]
-    in_topk = hit.any(axis=1)
-    got = r_lps[np.arange(r_lps.shape[0]), hit.argmax(axis=1)]
-    bad = np.where(in_topk, np.abs(got - r_sampled) > tol, r_sampled > r_lps[:, -1] + tol)
-    if bad.any():
+    if k > 1:
+        rise = r_lps[:, 1:] - r_lps[:, :-1]
+        if _MAX(rise, axis=None) > atol:
+            fail(_ANY(rise > atol, axis=1), "topk_logprobs", "row {r} is not sorted by logprob, highest first")
+    first = r_lps[:, 0]
+    if _MAX(first) > atol:
+        fail(first > atol, "topk_logprobs", "logprob above 0 in row {r}")
+    hit = (r_ids == labels[:, None]).reshape(-1)
+    at = np.arange(0, m * k, k)
+    at += hit.reshape(m, k).argmax(axis=1)  # flat index of each row's first hit (its start when none)
+    # In the top k: |entry - sampled| within tolerance. Not in it: sampled not above the row's last entry.
+    err = np.where(hit.take(at), np.abs(r_lps.reshape(-1).take(at) - r_sampled), r_sampled - r_lps[:, -1])
+    bad = err > tol
+    if _ANY(bad):
         fail(
             bad,
             "sampled_logprobs",
@@ -247,25 +295,38 @@ def validate_rollout(g: RolloutGroup, limits: Limits, name: str = "group") -> No
         raise DecodeError(f"{name}.group_overrides.teacher_top_k", f"must be an integer, got {k!r}")
 
 
-def validate_scored(s: ScoredGroup, limits: Limits, name: str = "scored") -> None:
-    validate_rollout(s.group, limits, f"{name}.group")
+def validate_teacher_part(s: ScoredGroup, limits: Limits, name: str = "scored") -> None:
+    """The teacher half of a scored group, assuming its rollout half (``s.group``) is valid.
+
+    Status and payloads agree (an OK group has one payload per sequence, each with the group's k; any
+    other status has none, and DROPPED has a reason), every payload has its sequence's shapes and valid
+    values, and the position convention holds on the spot-checked rows. ``validate_scored`` runs it
+    after ``validate_rollout``; the teacher stage runs it alone on the groups it scores, whose rollout
+    half was validated when it was decoded.
+    """
     if s.status is DistillStatus.OK:
-        if s.teacher is None or len(s.teacher) != len(s.group.sequences):
-            got = "none" if s.teacher is None else len(s.teacher)
-            raise DecodeError(f"{name}.teacher", f"{got} payloads for {len(s.group.sequences)} sequences")
-        parts = []
-        for i, (t, seq) in enumerate(zip(s.teacher, s.group.sequences, strict=True)):
+        teacher, seqs = s.teacher, s.group.sequences
+        if teacher is None or len(teacher) != len(seqs):
+            got = "none" if teacher is None else len(teacher)
+            raise DecodeError(f"{name}.teacher", f"{got} payloads for {len(seqs)} sequences")
+        parts: list[_Convention] = []
+        for i, (t, seq) in enumerate(zip(teacher, seqs, strict=True)):
             if t.k != s.k:
                 raise DecodeError(f"{name}.teacher[{i}].k", f"{t.k} != group k {s.k}")
             part = _teacher(t, seq.tokens.shape[0], f"{name}.teacher[{i}]", limits)
             if part is not None:
-                parts.append((*part[:4], seq.tokens.numpy()))
+                parts.append((*part, seq.tokens.numpy()))
         if parts:
             _check_convention(parts, limits)
     elif s.teacher is not None:
         raise DecodeError(f"{name}.teacher", f"payload present with status {s.status.value}")
     elif s.status is DistillStatus.DROPPED and not s.reason:
         raise DecodeError(f"{name}.reason", "a dropped payload needs a reason")
+
+
+def validate_scored(s: ScoredGroup, limits: Limits, name: str = "scored") -> None:
+    validate_rollout(s.group, limits, f"{name}.group")
+    validate_teacher_part(s, limits, name)
 
 
 def validate_batch(b: TrainBatch, limits: Limits) -> None:

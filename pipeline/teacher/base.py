@@ -70,21 +70,47 @@ class TeacherBackend(Protocol):
     async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]: ...
 
 
-def result_problem(req: ScoreRequest, res: ScoreResult) -> str | None:
-    """Why ``res`` cannot be the answer to ``req`` (a ``misaligned: ...`` reason), or ``None``."""
+def result_problem(req: ScoreRequest, res: ScoreResult, *, values: bool = True) -> str | None:
+    """Why ``res`` cannot be the answer to ``req`` (a ``misaligned: ...`` reason), or ``None``.
+
+    Always: the shapes, and every top-k row sorted descending (all rows, not a sample; a NaN fails
+    this and is reported as non-finite logprobs). With ``values`` (the default) also: logprobs finite
+    and ids non-negative. ``Scorer`` passes ``values=False`` because it validates the encoded payload
+    with ``schemas.validate.validate_teacher_part`` next, which checks those (and ids against the
+    vocabulary) on the bytes that go on the wire; checking them here too would read them twice.
+    """
     rows, k = req.rows, req.k
     ids, lps, sampled = res.topk_ids, res.topk_logprobs, res.sampled_logprobs
     if ids.shape != (rows, k) or lps.shape != (rows, k):
         return f"{MISALIGNED}: top-k shapes {ids.shape}/{lps.shape}, expected {(rows, k)}"
     if sampled.shape != (rows,):
         return f"{MISALIGNED}: sampled shape {sampled.shape}, expected {(rows,)}"
-    if not (np.isfinite(lps).all() and np.isfinite(sampled).all()):
-        return f"{MISALIGNED}: non-finite logprobs"
-    if ids.size and int(ids.min()) < 0:
-        return f"{MISALIGNED}: negative token id"
-    if k > 1 and rows and bool((np.diff(lps, axis=1) > 0).any()):
+    if values:
+        if not (np.isfinite(lps).all() and np.isfinite(sampled).all()):
+            return f"{MISALIGNED}: non-finite logprobs"
+        if ids.size and int(ids.min()) < 0:
+            return f"{MISALIGNED}: negative token id"
+    if not rows_sorted(lps):
+        if not np.isfinite(lps).all():  # only reachable with values=False
+            return f"{MISALIGNED}: non-finite logprobs"
         return f"{MISALIGNED}: top-k rows not sorted descending"
     return None
+
+
+def rows_sorted(lps: npt.NDArray[np.floating]) -> bool:
+    """Every row of ``lps`` (``[rows, k]``) is non-increasing; False if any entry is NaN.
+
+    One comparison over the flattened array, neighbours ``(j, j + 1)``, with the pairs that straddle
+    two rows (``j = k - 1, 2k - 1, ...``) then set true: no float temporary, and a contiguous pass
+    (about 5x faster than ``np.diff(lps, axis=1) > 0`` on ``[1023, 20]``).
+    """
+    if lps.ndim != 2 or lps.shape[1] < 2 or lps.size == 0:
+        return True
+    k = lps.shape[1]
+    flat = lps.reshape(-1)  # a view when contiguous (the usual case), else a copy
+    ok = flat[1:] <= flat[:-1]
+    ok[k - 1 :: k] = True
+    return bool(ok.all())
 
 
 def empty_result(k: int) -> ScoreResult:

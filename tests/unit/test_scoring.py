@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import structlog
 
+import schemas.validate
 from pipeline.scoring import Scorer, ScoringConfig, ScoringStats, pack
 from pipeline.teacher.base import ScoreFailure, ScoreOutcome, ScoreRequest, ScoreResult
 from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup, decode, encode
-from schemas.build import make_sequence
+from schemas.build import make_sequence, make_teacher
+from schemas.validate import validate_teacher_part
 
 VOCAB = 1000
 Behaviour = Callable[[ScoreRequest], ScoreOutcome | None]
@@ -24,6 +30,13 @@ def good(req: ScoreRequest) -> ScoreResult:
     ids = ((tok[1:, None] + np.arange(k)[None, :]) % VOCAB).astype(np.int32)
     lps = np.tile(-0.1 - 0.5 * np.arange(k, dtype=np.float32), (rows, 1)) - (tok[1:, None] % 7).astype(np.float32)
     return ScoreResult(ids, lps.astype(np.float32), lps[:, 0].astype(np.float32).copy())
+
+
+def with_value(a: npt.NDArray[Any], row: int, col: int, value: float) -> npt.NDArray[Any]:
+    """A copy of ``a`` with one entry replaced."""
+    out = a.copy()
+    out[row, col] = value
+    return out
 
 
 class FakeTeacher:
@@ -139,11 +152,21 @@ async def test_skip_and_discard_never_reach_teacher() -> None:
          "misaligned: top-k shapes"),
         (lambda r: ScoreResult(good(r).topk_ids[:, :1], good(r).topk_logprobs, good(r).sampled_logprobs),
          "misaligned: top-k shapes"),
-        (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs, np.full(r.rows, np.nan, np.float32)),
-         "misaligned: non-finite"),
+        (lambda r: ScoreResult(good(r).topk_ids, with_value(good(r).topk_logprobs, 3, 2, np.nan),
+                               good(r).sampled_logprobs),
+         "misaligned: non-finite logprobs"),
         (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs[:, ::-1].copy(), good(r).sampled_logprobs),
          "misaligned: top-k rows not sorted"),
         (lambda r: ScoreFailure("misaligned: 3 entries for 9 tokens", retryable=False), "misaligned: 3 entries"),
+        # Values the per-sequence check leaves to the group check of the encoded payload (read once):
+        # the reason names the sequence by its field, scored.teacher[1].
+        (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs, np.full(r.rows, np.nan, np.float32)),
+         "misaligned: scored.teacher[1].sampled_logprobs: non-finite"),
+        (lambda r: ScoreResult(good(r).topk_ids, with_value(good(r).topk_logprobs, 5, 3, -np.inf),
+                               good(r).sampled_logprobs),
+         "misaligned: scored.teacher[1].topk_logprobs: non-finite value at flat index 23"),
+        (lambda r: ScoreResult(with_value(good(r).topk_ids, 4, 1, -7), good(r).topk_logprobs, good(r).sampled_logprobs),
+         "misaligned: scored.teacher[1].topk_ids: negative token id -7"),
     ],
 )  # fmt: skip
 async def test_bad_sequence_drops_whole_group(rule: Behaviour, prefix: str) -> None:
@@ -154,13 +177,87 @@ async def test_bad_sequence_drops_whole_group(rule: Behaviour, prefix: str) -> N
     assert [s.status for s in out] == [DistillStatus.OK, DistillStatus.DROPPED, DistillStatus.OK]
     dropped = out[1]
     assert dropped.teacher is None and dropped.reason is not None
-    assert dropped.reason.startswith(prefix) and "(sequence 1)" in dropped.reason
+    assert dropped.reason.startswith(prefix)
+    assert "(sequence 1)" in dropped.reason or "scored.teacher[1]." in prefix  # the bad sequence is named
     assert len(teacher.calls) == 1  # non-retryable: no second attempt
     drops = [e for e in logs if e["event"] == "teacher_payload_dropped"]
     assert [(e["group_id"], e["reason"]) for e in drops] == [("g200", dropped.reason)]
     assert scorer.stats.groups == {"ok": 2, "dropped": 1}
     assert scorer.stats.reasons == {prefix.split(":", maxsplit=1)[0]: 1}
     roundtrip(dropped)
+
+
+async def test_unsorted_row_outside_the_spot_check_drops_the_group() -> None:
+    """Every row's order is checked per sequence; the group-level convention check only samples rows."""
+    n, k = 200, 4
+    spot = {int(r) for r in np.arange(32) * (n - 2) // 31}  # the rows Limits().check_rows=32 samples
+    row = 1
+    assert row not in spot
+
+    def swapped(r: ScoreRequest) -> ScoreResult:
+        res = good(r)
+        return ScoreResult(res.topk_ids, with_value(res.topk_logprobs, row, k - 1, 0.0), res.sampled_logprobs)
+
+    out, scorer = await run([group(200, [9, n, 9]), group(300, [n])], FakeTeacher(rules={201: swapped}), default_k=k)
+    assert [s.status for s in out] == [DistillStatus.DROPPED, DistillStatus.OK]
+    assert out[0].reason == "misaligned: top-k rows not sorted descending (sequence 1)"
+    assert scorer.stats.reasons == {"misaligned": 1}
+    # The spot check alone would have let this payload through: the per-sequence check is what catches it.
+    seqs = out[0].group.sequences
+    results = [
+        (swapped if i == 1 else good)(ScoreRequest(q.tokens.numpy().astype(np.int32), k)) for i, q in enumerate(seqs)
+    ]
+    teacher = [make_teacher(x.topk_ids, x.topk_logprobs, x.sampled_logprobs) for x in results]
+    validate_teacher_part(ScoredGroup(group=out[0].group, status=DistillStatus.OK, teacher=teacher, k=k), Limits())
+
+
+async def test_ids_outside_the_configured_vocabulary_drop_the_group() -> None:
+    def over(r: ScoreRequest) -> ScoreResult:
+        res = good(r)
+        return ScoreResult(with_value(res.topk_ids, r.rows - 1, 2, VOCAB), res.topk_logprobs, res.sampled_logprobs)
+
+    groups = [group(100, [9, 9]), group(200, [9])]
+    scorer = Scorer(FakeTeacher(rules={101: over}), ScoringConfig(default_k=4), limits=Limits(vocab_size=VOCAB))
+    out = await scorer.score_groups(groups)
+    assert [s.status for s in out] == [DistillStatus.DROPPED, DistillStatus.OK]
+    assert out[0].reason == f"misaligned: scored.teacher[1].topk_ids: token id {VOCAB} outside vocabulary of {VOCAB}"
+    out = await Scorer(FakeTeacher(rules={101: over}), ScoringConfig(default_k=4)).score_groups(groups)
+    assert out[0].status is DistillStatus.OK  # no vocabulary configured: only ids >= 0 are required
+
+
+async def test_float16_overflow_is_caught_on_the_encoded_payload() -> None:
+    """Sorted, finite float32 logprobs that overflow float16: only the bytes on the wire show it."""
+
+    def huge(r: ScoreRequest) -> ScoreResult:
+        res = good(r)
+        lps = res.topk_logprobs.copy()
+        lps[2] = np.array([9e5, 8e5, 7e5, 6e5], np.float32)
+        return ScoreResult(res.topk_ids, lps, res.sampled_logprobs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the float16 cast warns about the overflow
+        out, _ = await run([group(100, [9, 9])], FakeTeacher(rules={100: huge}), default_k=4, fp16_topk=True)
+    assert out[0].status is DistillStatus.DROPPED
+    assert out[0].reason == "misaligned: scored.teacher[0].topk_logprobs: non-finite value at flat index 8"
+
+
+async def test_each_check_runs_once_and_the_rollout_is_not_revalidated(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = validate_teacher_part
+
+    def counting(s: ScoredGroup, limits: Limits, name: str = "scored") -> None:
+        calls.append(len(s.group.sequences))
+        real(s, limits, name)
+
+    def no_rollout(*args: object, **kw: object) -> None:
+        raise AssertionError("the teacher stage re-validated the rollout half")
+
+    monkeypatch.setattr("pipeline.scoring.validate_teacher_part", counting)
+    monkeypatch.setattr(schemas.validate, "validate_rollout", no_rollout)
+    skipped = group(300, [9], group_overrides={"skip_teacher_top_k": True})
+    out, _ = await run([group(100, [9, 9]), group(200, [9, 9, 9]), skipped], FakeTeacher())
+    assert [s.status for s in out] == [DistillStatus.OK, DistillStatus.OK, DistillStatus.SKIPPED]
+    assert calls == [2, 3]  # once per scored group, none for the skipped one
 
 
 async def test_retries_then_success_with_capped_backoff() -> None:
@@ -281,3 +378,33 @@ def test_config_validation() -> None:
         ScoringConfig(k_over_cap="ignore")  # type: ignore[arg-type]
     cfg = ScoringConfig(backoff_base_s=1.0, backoff_max_s=5.0)
     assert [cfg.backoff(i) for i in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+class SlowTeacher(FakeTeacher):
+    """Takes ``delay`` per call and records how many calls overlapped at most."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay, self.active, self.peak = delay, 0, 0
+
+    async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await asyncio.sleep(self.delay)
+            return await super().score(reqs)
+        finally:
+            self.active -= 1
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+async def test_concurrent_calls_limits_the_whole_scorer_not_one_batch(limit: int) -> None:
+    """A worker with two read batches in flight (the default) must still send at most ``concurrent_calls``
+    calls at once: a GPU teacher scores one batch while the previous batch's outputs are written."""
+    teacher = SlowTeacher(0.05)
+    scorer = Scorer(teacher, ScoringConfig(default_k=4, concurrent_calls=limit))
+    batches = [[group(10 * b + i, [8, 8]) for i in range(2)] for b in range(4)]
+    results = await asyncio.gather(*(scorer.score_groups(b) for b in batches))
+    assert teacher.peak == limit
+    assert all(s.status is DistillStatus.OK for r in results for s in r)
+    assert len(teacher.calls) == 4  # one call per batch (both groups packed together)
