@@ -15,6 +15,7 @@ from redis.exceptions import BusyLoadingError, ClusterDownError, MasterDownError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline import bigio
 from pipeline.config import RedisSettings
 
 T = TypeVar("T")
@@ -100,6 +101,8 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
                 kwargs[name] = value
     if is_cluster_url(settings.redis_url):
         return _connect_cluster(settings, kwargs)
+    kwargs["connection_class"] = bigio.connection_class(settings.redis_url)  # sized for multi-MB entries
+    kwargs["socket_read_size"] = bigio.READ_SIZE
     client: aioredis.Redis = aioredis.Redis.from_url(settings.redis_url, **kwargs)  # type: ignore[arg-type]
     return client
 

@@ -1,0 +1,65 @@
+"""Connections sized for multi-MB entries: bytes on the wire unchanged, large chunks never joined."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from pipeline import bigio
+from pipeline.config import RedisSettings
+from pipeline.connection import connect
+
+pytestmark = pytest.mark.redis
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.writes: list[bytes | memoryview] = []
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.writes.append(data)
+
+
+def test_small_commands_are_joined_into_one_write() -> None:
+    w = Recorder()
+    bigio.write_chunks(w, [b"*3\r\n", b"$3\r\nSET\r\n", b"x" * 100])  # type: ignore[arg-type]
+    assert w.writes == [b"*3\r\n$3\r\nSET\r\n" + b"x" * 100]
+
+
+def test_large_chunks_are_written_as_they_are() -> None:
+    w = Recorder()
+    payload = memoryview(os.urandom(bigio.JOIN_BELOW + 1))
+    parts: list[bytes | memoryview] = [b"*3\r\n", b"$3\r\nSET\r\n$1\r\nk\r\n", payload, b"\r\n"]
+    bigio.write_chunks(w, parts)  # type: ignore[arg-type]
+    assert len(w.writes) == 3 and w.writes[1] is payload  # the payload itself, not a copy
+    assert b"".join(w.writes) == b"".join(parts)
+
+
+async def test_multi_megabyte_values_round_trip(redis_url: str) -> None:
+    r: aioredis.Redis = connect(RedisSettings(redis_url=redis_url))
+    try:
+        pool = r.connection_pool
+        assert pool.connection_class is bigio.BigIOConnection
+        assert pool.connection_kwargs["socket_read_size"] == bigio.READ_SIZE
+        blobs = [os.urandom(n) for n in (1, 70_000, 6_000_000)]
+        key = f"bigio:{os.getpid()}"
+        async with r.pipeline(transaction=True) as p:
+            for i, b in enumerate(blobs):
+                p.set(f"{key}:{i}", memoryview(b))
+            await p.execute()
+        assert await r.mget([f"{key}:{i}" for i in range(3)]) == blobs
+        await r.delete(*[f"{key}:{i}" for i in range(3)])
+        conn: Any = pool._available_connections[0]  # the one that carried them
+        assert conn._writer.writelines.func is bigio.write_chunks
+        assert conn._reader._limit == bigio.STREAM_LIMIT
+    finally:
+        await r.aclose()
+
+
+def test_connection_class_follows_the_url_scheme() -> None:
+    assert bigio.connection_class("redis://h:1/0") is bigio.BigIOConnection
+    assert bigio.connection_class("rediss://h:1/0") is bigio.BigIOSSLConnection
+    assert bigio.connection_class("unix:///tmp/r.sock") is bigio.BigIOUnixConnection
