@@ -34,7 +34,8 @@ def group_kl(g: ScoredGroup) -> tuple[float, int]:
     """Sum over trainable positions of ``student - teacher`` sampled-token logprob, and the count.
 
     Sequences with ``set_advantage_to_zero`` are left out (they carry no signal at all), as in
-    ``pipeline.batching.sequence_advantages``, whose KL sums this reproduces exactly.
+    ``pipeline.batching.batch_advantages``: with ``reward_weight=0`` the sum here is ``-sum(advantages) /
+    kl_coef`` over the same positions (tests/unit/test_batching.py pins the two together).
     """
     if g.teacher is None:
         return 0.0, 0

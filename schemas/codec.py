@@ -107,10 +107,13 @@ def _array_sizes(msg: Message) -> tuple[int, int]:
     return 0, 0
 
 
+def _buffer_size(array_bytes: int, structs: int) -> int:
+    return array_bytes + structs * ENCODE_SLACK_PER_STRUCT + ENCODE_SLACK
+
+
 def encoded_size_bound(msg: Message) -> int:
     """The buffer ``encode`` starts from: the arrays' bytes plus slack (see above); not a hard bound."""
-    size, structs = _array_sizes(msg)
-    return size + structs * ENCODE_SLACK_PER_STRUCT + ENCODE_SLACK
+    return _buffer_size(*_array_sizes(msg))
 
 
 def encode(msg: Message) -> memoryview:
@@ -124,7 +127,7 @@ def encode(msg: Message) -> memoryview:
         size, structs = _array_sizes(msg)
         if size >= EXACT_SIZE_MIN_BYTES:
             buf = bytearray()
-            resize(buf, size + structs * ENCODE_SLACK_PER_STRUCT + ENCODE_SLACK)  # no zero-fill
+            resize(buf, _buffer_size(size, structs))  # no zero-fill
             _ENCODER.encode_into(msg, buf)  # shrinks the logical size only; grows if the bound was short
             return memoryview(buf).toreadonly()
     return memoryview(_ENCODER.encode(msg))

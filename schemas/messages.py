@@ -163,7 +163,7 @@ class BatchManifest(msgspec.Struct, frozen=True, kw_only=True, tag="manifest", t
     """A train batch by reference: whole scored groups (oldest first) and how to weigh them.
 
     The learner client fetches the groups' payloads, validates them, computes per-token advantages with
-    ``kl_coef`` and ``reward_weight`` (``pipeline.batching.sequence_advantages``) and hands the learner a
+    ``kl_coef`` and ``reward_weight`` (``pipeline.batching.materialize``) and hands the learner a
     ``TrainBatch``; acknowledging the batch deletes the payloads. Group bytes thus cross Redis once on
     their way from the teacher to the learner.
     """
