@@ -323,7 +323,8 @@ def run_case(c: Case, logdir: str) -> Row:
                [(b[1] - a[1]) / MB for a, b in zip(before, after, strict=True)], cores, load)
 
 
-async def xadd_only(url: str, port: int, payload: bytes, seconds: float, concurrency: int, lua: bool) -> Row:
+async def xadd_only(url: str, port: int, payload: bytes | memoryview, seconds: float, concurrency: int,
+                    lua: bool) -> Row:
     """Producer-only MB/s: raw XADD (MAXLEN 4, exact) or ``StreamProducer`` with a trimmer emptying the stream."""
     keys = Keys(f"bx{uuid.uuid4().hex[:8]}")
     clients = [connect(RedisSettings(redis_url=url)) for _ in range(concurrency + 1)]

@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
@@ -49,7 +50,8 @@ def settings() -> StreamSettings:
     return StreamSettings(block_ms=50, max_backlog=100_000, read_count=8, claim_interval_ms=60_000)
 
 
-async def fill(url: str, keys: Keys, payloads: list[tuple[bytes, bytes, str, bytes]], *, inline: bool = False) -> None:
+async def fill(url: str, keys: Keys, payloads: Sequence[tuple[bytes | memoryview, bytes, str, bytes]], *,
+               inline: bool = False) -> None:
     r = connect(RedisSettings(redis_url=url))
     p = StreamProducer(r, keys, "scored", settings(), dedupe=False)
     for data, mtype, gid, header in payloads:
@@ -90,16 +92,22 @@ async def learn(r: aioredis.Redis, keys: Keys, n: int, prefetch: bool = True) ->
     await learner.aclose()
 
 
+def make_feeder(r: aioredis.Redis, keys: Keys) -> Feeder:
+    """The feeder both (b) and (b') run: batches of ``GROUPS_PER_BATCH`` groups, no token or staleness bound."""
+    cfg = BatchingConfig(max_batch_groups=GROUPS_PER_BATCH, max_batch_tokens=10**9, max_wait_s=0.05,
+                         max_staleness=None)
+    return Feeder(r, keys, cfg, ConstantKL(0.1), settings(), consumer_name="f")
+
+
 def _feeder_process(url: str, namespace: str) -> None:
     """A feeder worker in its own process, as deployed: waits for the go key, then drains ``scored``."""
     configure_logging("WARNING")
 
     async def go() -> None:
         r, keys = connect(RedisSettings(redis_url=url)), Keys(namespace)
-        f = Feeder(r, keys, BatchingConfig(max_batch_groups=GROUPS_PER_BATCH, max_batch_tokens=10**9, max_wait_s=0.05,
-                                           max_staleness=None), ConstantKL(0.1), settings(), consumer_name="f")
+        f = make_feeder(r, keys)
         await r.set(f"{namespace}:bench:ready", 1)
-        await r.blpop([f"{namespace}:bench:go"], timeout=60)
+        await r.blpop([f"{namespace}:bench:go"], timeout=60)  # type: ignore[misc]
         await f.run(asyncio.Event(), burst=True)
         await r.aclose()
 
@@ -113,7 +121,7 @@ async def feeder_process(url: str, keys: Keys, n: int, prefetch: bool = True) ->
     while not await r.get(f"{keys.namespace}:bench:ready"):
         await asyncio.sleep(0.05)
     t0 = time.perf_counter()
-    await r.rpush(f"{keys.namespace}:bench:go", 1)
+    await r.rpush(f"{keys.namespace}:bench:go", 1)  # type: ignore[misc]
     await learn(r, keys, n, prefetch)
     dt = time.perf_counter() - t0
     await asyncio.to_thread(proc.join, 30)
@@ -123,8 +131,7 @@ async def feeder_process(url: str, keys: Keys, n: int, prefetch: bool = True) ->
 
 async def feeder(url: str, keys: Keys, n: int, prefetch: bool = True) -> float:
     r = connect(RedisSettings(redis_url=url))
-    f = Feeder(r, keys, BatchingConfig(max_batch_groups=GROUPS_PER_BATCH, max_batch_tokens=10**9, max_wait_s=0.05,
-                                       max_staleness=None), ConstantKL(0.1), settings(), consumer_name="f")
+    f = make_feeder(r, keys)
     stop = asyncio.Event()
     t0 = time.perf_counter()
     task = asyncio.create_task(f.run(stop))

@@ -1,8 +1,10 @@
 """Horizontal scaling of teacher workers whose teacher takes a fixed 50 ms per call.
 
 One worker = ``StageRunner`` + ``TeacherStage`` + ``Scorer(SyntheticTeacher(latency_s=0.05))`` reading
-``per_call`` groups at a time with ``max_in_flight = per_call`` and one call at a time, i.e. a teacher
-that serves one batch at a time (a GPU). N workers share the ``rollouts`` consumer group.
+``per_call`` groups at a time with one teacher call at a time (``concurrent_calls=1``: a teacher that
+serves one batch at a time, a GPU) and ``max_in_flight = 2 x per_call``, the ratio of the defaults (8 and
+16): the next batch is read and waits for the teacher while the previous batch's outputs are written, so
+the teacher does not idle during Redis writes. N workers share the ``rollouts`` consumer group.
 
 Modes: ``tasks`` (N workers as asyncio tasks in this process: honest here, the 50 ms is a sleep that
 uses no CPU) and ``procs`` (N ``python -m pipeline.cli.main worker teacher --backend synthetic
@@ -82,7 +84,7 @@ async def _added(r: aioredis.Redis, keys: Keys) -> int:
 
 
 def _settings(per_call: int) -> StreamSettings:
-    return StreamSettings(read_count=per_call, max_in_flight=per_call, max_backlog=100_000, shutdown_grace_s=5.0)
+    return StreamSettings(read_count=per_call, max_in_flight=2 * per_call, max_backlog=100_000, shutdown_grace_s=5.0)
 
 
 class _Tasks:
@@ -125,7 +127,7 @@ class _Procs:
         env = {**os.environ, "DISTILLQ_LOG_LEVEL": "WARNING"}
         cmd = [sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend", "synthetic",
                "--synthetic-latency", str(LATENCY_S), "--top-k", str(work.k), "--read-count",
-               str(per_call), "--max-in-flight", str(per_call), "--concurrency", "1", "--redis-url", url,
+               str(per_call), "--max-in-flight", str(2 * per_call), "--concurrency", "1", "--redis-url", url,
                "--namespace", keys.namespace]
         self.procs = [subprocess.Popen([*cmd, "--consumer-name", f"teacher-{i}"], cwd=ROOT, env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(n)]

@@ -36,6 +36,7 @@ class StubPipeline:
     keys: Keys
     work: Workload
     payloads: dict[str, bytes | memoryview]
+    header: bytes  # the scored group's claim-check header
     producer: bool = False
     clients: list[aioredis.Redis] = field(default_factory=list)
     producers: dict[tuple[int, str], StreamProducer] = field(default_factory=dict)
@@ -49,9 +50,9 @@ class StubPipeline:
         key = keys.payload(keys.stream("scored"), "g0", "0123456789ab")
         batch = build_batch([Pending(str(i), header_of(g), key) for i, g in enumerate(groups)], 1.0, 0,
                             BatchingConfig()).batch
-        payloads = {"rollout": encode(rollout), "scored": encode(scored), "batch": encode(batch),
-                    "header": encode_header(scored)}
-        stub = cls(url, keys, work, payloads, producer)
+        payloads: dict[str, bytes | memoryview] = {"rollout": encode(rollout), "scored": encode(scored),
+                                                   "batch": encode(batch)}
+        stub = cls(url, keys, work, payloads, encode_header(scored), producer)
         r = stub._client()
         for name in ("rollouts", "scored", "batches"):
             await r.xgroup_create(keys.stream(name), keys.consumer_group(name), id="0", mkstream=True)
@@ -62,7 +63,7 @@ class StubPipeline:
         return self.clients[-1]
 
     async def add(self, r: aioredis.Redis, stream: str, kind: bytes, gid: str, data: bytes | memoryview) -> None:
-        header = self.payloads["header"] if stream == "scored" else None
+        header = self.header if stream == "scored" else None
         if self.producer:
             p = self.producers.get((id(r), stream))
             if p is None:
