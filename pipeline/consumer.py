@@ -265,27 +265,49 @@ class StreamConsumer:
 
     async def ack(
         self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False, then_delete: Sequence[str] = ()
-    ) -> None:
+    ) -> list[Delivery]:
         """Acknowledge and delete entries (and their claim-checked payloads unless ``keep_payloads``), in
         one round trip; then delete ``then_delete`` (keys elsewhere: in the same round trip on a single
-        Redis, whose pipeline runs in order; after the ack on a cluster, where nodes run in parallel)."""
+        Redis, whose pipeline runs in order; after the ack on a cluster, where nodes run in parallel).
+
+        Returns those that were no longer pending (one XACK per id tells which): normally none; after a
+        Redis restart that rolled back to an older state (``still_pending``), the entries
+        that state never had."""
         ids = [d.entry_id for d in deliveries]
         if not ids:
-            return
+            return []
         blobs = [] if keep_payloads else [d.fields[F_REF] for d in deliveries if F_REF in d.fields]
         cluster = self._cluster
         async with self.redis.pipeline(transaction=False) as p:
-            p.xack(self.key, self.group, *ids)
+            for i in ids:
+                p.xack(self.key, self.group, i)
             p.xdel(self.key, *ids)
             if blobs:
                 p.delete(*blobs)
             if then_delete and not cluster:
                 p.delete(*then_delete)
-            await p.execute()
+            acked = await p.execute()
         if then_delete and cluster:
             await self.redis.delete(*then_delete)
         self.owned.difference_update(ids)
         metrics.ACKED.labels(self.stream).inc(len(ids))
+        return [d for d, n in zip(deliveries, acked, strict=False) if not int(n)]
+
+    async def still_pending(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Those of ``deliveries`` still pending in the group (claimed by us again, their leases renewed).
+
+        Redis restarted from an AOF that lacks its last writes (a host crash under ``appendfsync
+        everysec``) rolls the streams back while workers keep what they read before: an entry read then may
+        not exist any more, and neither may the payload key its header names. Those are dropped from
+        ``owned`` and left out; whatever wrote them writes them again from its own input, which the same
+        rollback left pending."""
+        ids = [d.entry_id for d in deliveries]
+        if not ids:
+            return []
+        got = await self.redis.xclaim(self.key, self.group, self.name, 0, list[Any](ids), justid=True)
+        alive = {x.decode() if isinstance(x, bytes) else str(x) for x in got}
+        self.owned.difference_update(set(ids) - alive)
+        return [d for d in deliveries if d.entry_id in alive]
 
     async def dead_letter(self, d: Delivery, reason: str) -> None:
         """Move an entry to the dead-letter stream with its stage and reason, then ack it."""

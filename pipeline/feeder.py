@@ -10,6 +10,10 @@ only then are they acknowledged. A crash therefore loses nothing: a restarted fe
 and the batches stream's per-group dedupe keeps any group from reaching the learner twice. Stale
 groups are acknowledged and counted, never trained on. The KL controller's state is written to Redis
 after each batch so a restarted feeder continues where the last one stopped.
+
+Before a batch is written, its groups' entries are checked to be still pending to this feeder: a Redis
+restarted from an AOF without its last second (a host crash under ``appendfsync everysec``) may not have
+them, nor their payload keys (docs/reliability.md, section 2).
 """
 
 from __future__ import annotations
@@ -210,6 +214,7 @@ class Feeder:
 
     async def _write(self, items: list[Pending], stop: asyncio.Event) -> bool:
         """Write one batch, then ack its groups' entries. False if stopped while waiting for capacity."""
+        items[:] = await self._still_ours(items)
         while items:
             built = build_batch(items, self.controller.value, self.state.policy_version, self.cfg)
             try:
@@ -236,13 +241,41 @@ class Feeder:
             self._count("already_batched")
         if not items:
             return True
-        await retry_transient(lambda: self.consumer.ack(built.refs, keep_payloads=True), deadline_s=60)
+        missed = await retry_transient(lambda: self.consumer.ack(built.refs, keep_payloads=True), deadline_s=60)
+        if missed:
+            await self._unbatch(items, missed, added.entry_id)
         if built.observed_kl is not None and isinstance(self.controller, AdaptiveKL):  # a constant never changes
             self.controller.update(built.observed_kl, n_steps=1)
             await retry_transient(lambda: self.redis.set(self.keys.kl_state, self.controller.to_json()), deadline_s=60)
         self._observe(built.batch.stats or {})
         self._count("batched", len(items))
         return True
+
+    async def _still_ours(self, items: list[Pending]) -> list[Pending]:
+        """The items whose scored entries are still pending to us; the rest were lost by a Redis restart
+        that rolled back to an older state (``StreamConsumer.still_pending``): batching one would hand the
+        learner a payload key that may not exist. The teacher writes such a group again from its rollout."""
+        alive = {id(d) for d in await retry_transient(
+            lambda: self.consumer.still_pending([i.ref for i in items]), deadline_s=60)}
+        gone = [i for i in items if id(i.ref) not in alive]
+        if gone:
+            log.warning("scored_entries_gone", reason="Redis restarted without them (rolled back)",
+                        groups=[i.group_id for i in gone], entries=[i.entry_id for i in gone])
+            self._count("entry_gone", len(gone))
+        return [i for i in items if id(i.ref) in alive]
+
+    async def _unbatch(self, items: list[Pending], missed: list[Delivery], batch_entry: str) -> None:
+        """Redis rolled back while the batch was being written (the write was retried on the restarted
+        server): the groups whose entries are gone are in the batch, but their payload keys may be too.
+        Their dedupe markers are cleared so that the copies the teacher writes again get batched; the
+        learner dead-letters a reference whose key is gone (``payload_missing``) and receives the copy."""
+        gone = {id(d) for d in missed}
+        groups = [i.group_id for i in items if id(i.ref) in gone]
+        await retry_transient(lambda: self.redis.delete(*(self.keys.seen("batches", g) for g in groups)),
+                              deadline_s=60)
+        log.error("batched_entries_gone", reason="Redis restarted without them (rolled back) during the write",
+                  groups=groups, batch_entry=batch_entry)
+        self._count("entry_gone_after_batching", len(groups))
 
     def _observe(self, stats: dict[str, float]) -> None:
         BATCHES.inc()

@@ -331,7 +331,7 @@ class StageRunner(Generic[M]):
             self._count("retry")
         return True
 
-    async def _bookkeep(self, op: Callable[[], Awaitable[None]]) -> None:
+    async def _bookkeep(self, op: Callable[[], Awaitable[object]]) -> None:
         """Acks and dead letters: shielded from cancellation and retried over Redis outages."""
         await asyncio.shield(retry_transient(op, deadline_s=max(30.0, self.settings.shutdown_grace_s)))
 

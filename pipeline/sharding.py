@@ -121,9 +121,17 @@ class ShardedConsumer:
             groups[d.shard].append(d)
         return groups
 
-    async def ack(self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False) -> None:
+    async def ack(self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False) -> list[Delivery]:
+        missed: list[Delivery] = []
         for shard, ds in self._by_shard(deliveries).items():
-            await self.parts[shard].ack(ds, keep_payloads=keep_payloads)
+            missed += await self.parts[shard].ack(ds, keep_payloads=keep_payloads)
+        return missed
+
+    async def still_pending(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        alive: list[Delivery] = []
+        for shard, ds in self._by_shard(deliveries).items():
+            alive += await self.parts[shard].still_pending(ds)
+        return alive
 
     async def dead_letter(self, d: Delivery, reason: str) -> None:
         await self.parts[d.shard].dead_letter(d, reason)

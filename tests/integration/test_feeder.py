@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -288,4 +289,83 @@ async def test_missing_payloads_are_dead_lettered_never_handed_out(r: aioredis.R
     assert set(letters) == {"g000", "g001"}
     assert letters["g000"][b"stage"] == b"tools" and letters["g000"][b"reason"].startswith(b"payload_missing")
     assert letters["g001"][b"stage"] == b"learner" and letters["g001"][b"reason"].startswith(b"payload_missing")
+    assert await payload_keys(r, keys) == []
+
+
+async def roll_back(r: aioredis.Redis, keys: Keys, group_id: str) -> None:
+    """What Redis restarted from an AOF that lacks the teacher's write of ``group_id`` looks like: no
+    scored entry, no pending entry, no payload key, no dedupe marker (the rollouts entry it came from is
+    pending again)."""
+    rows = {f[b"gid"].decode(): (eid, f) for eid, f in await r.xrange(keys.stream("scored"))}
+    eid, fields = rows[group_id]
+    await r.xack(keys.stream("scored"), keys.consumer_group("scored"), eid)
+    await r.xdel(keys.stream("scored"), eid)
+    await r.delete(fields[b"p"], keys.seen("scored", group_id))
+
+
+async def learn_all(r: aioredis.Redis, keys: Keys) -> list[str]:
+    learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
+    trained = []
+    async for b in learner.batches(timeout_s=0.5):
+        trained += [g.group_id for g in b.batch.groups]
+        await learner.ack(b)
+    return trained
+
+
+async def rescore(r: aioredis.Redis, keys: Keys, group_id: str, seed: int) -> None:
+    """The teacher writes the group again from its rollout, which the rollback left pending."""
+    g = synthetic_rollout(2, 16, group_id=group_id, seed=seed)
+    await StreamProducer(r, keys, "scored", fast()).send(synthetic_scored(g, k=4, seed=seed))
+
+
+async def test_entries_rolled_back_by_a_redis_restart_are_not_batched(r: aioredis.Redis, keys: Keys) -> None:
+    """The feeder holds three headers; Redis comes back from an AOF without g001's write. Batching g001
+    would hand the learner a key that does not exist and, through the batch dedupe, refuse the copy the
+    teacher writes again: g001 would never train. It is left out and the copy goes through."""
+    await push_scored(r, keys, 3)
+    feeder = Feeder(r, keys, BatchingConfig(max_wait_s=3600), ConstantKL(0.1), fast())
+    await feeder.consumer.ensure_group()
+    for d in await feeder.consumer.read(10):
+        await feeder._admit(d)
+    assert [p.group_id for p in feeder.state.buffer] == ["g000", "g001", "g002"]
+    await roll_back(r, keys, "g001")
+    items, feeder.state.buffer = feeder.state.buffer, []
+    assert await feeder._write(items, asyncio.Event())
+    batches = manifests(await r.xrange(keys.stream("batches")))
+    assert [[ref.group_id for ref in m.refs] for m in batches] == [["g000", "g002"]]
+    assert feeder.state.stats.outcomes["entry_gone"] == 1 and feeder.consumer.owned == set()
+    await rescore(r, keys, "g001", seed=1)
+    await asyncio.wait_for(feeder.run(asyncio.Event(), burst=True), 20)
+    assert sorted(await learn_all(r, keys)) == ["g000", "g001", "g002"]
+    assert await r.xlen(keys.dlq) == 0 and await payload_keys(r, keys) == []
+
+
+async def test_rollback_during_the_batch_write_lets_the_copy_through(r: aioredis.Redis, keys: Keys) -> None:
+    """Redis rolls back while the batch is being written (the producer's retry lands on the restarted
+    server): g001 is in the batch but its entry and key are gone. The feeder sees its ack miss, clears
+    g001's batch dedupe marker, and the teacher's copy reaches the learner; the dangling reference is
+    dead-lettered as payload_missing, never handed out."""
+    await push_scored(r, keys, 3)
+    feeder = Feeder(r, keys, BatchingConfig(max_wait_s=3600), ConstantKL(0.1), fast())
+    await feeder.consumer.ensure_group()
+    for d in await feeder.consumer.read(10):
+        await feeder._admit(d)
+    send = feeder.producer.send
+
+    async def send_then_roll_back(*args: Any, **kwargs: Any) -> Any:
+        added = await send(*args, **kwargs)
+        await roll_back(r, keys, "g001")
+        return added
+
+    feeder.producer.send = send_then_roll_back  # type: ignore[method-assign]
+    items, feeder.state.buffer = feeder.state.buffer, []
+    assert await feeder._write(items, asyncio.Event())
+    feeder.producer.send = send  # type: ignore[method-assign]
+    assert feeder.state.stats.outcomes["entry_gone_after_batching"] == 1
+    assert await r.exists(keys.seen("batches", "g001")) == 0 and await r.exists(keys.seen("batches", "g000")) == 1
+    await rescore(r, keys, "g001", seed=1)
+    await asyncio.wait_for(feeder.run(asyncio.Event(), burst=True), 20)
+    assert sorted(await learn_all(r, keys)) == ["g000", "g001", "g002"]
+    letters = [f for _, f in await r.xrange(keys.dlq)]
+    assert [(f[b"orig_gid"], f[b"reason"][:15]) for f in letters] == [(b"g001", b"payload_missing")]
     assert await payload_keys(r, keys) == []
