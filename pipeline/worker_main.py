@@ -1,7 +1,8 @@
 """Process plumbing shared by every worker: signals -> stop event, metrics endpoint, health check.
 
 Signals are handled here only (never in library code), so tests drive a stage by setting ``stop``.
-SIGTERM/SIGINT start a graceful shutdown; a second signal cancels at once.
+SIGTERM/SIGINT start a graceful shutdown; a second signal cancels at once. SIGUSR1 logs what every
+asyncio task is waiting on (``task_stack`` events, innermost call last): where a stuck worker is stuck.
 """
 
 from __future__ import annotations
@@ -40,6 +41,27 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGUSR1, log_task_stacks)
+
+
+def await_chain(coro: Any) -> list[str]:
+    """``file:line function`` of each coroutine in the chain ``coro`` awaits, outermost first.
+
+    ``Task.get_stack`` returns one frame for a suspended coroutine; following ``cr_await`` reaches the
+    call that actually waits."""
+    out: list[str] = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            out.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out
+
+
+def log_task_stacks() -> None:
+    """One ``task_stack`` log event per asyncio task of the running loop."""
+    for task in asyncio.all_tasks():
+        log.warning("task_stack", task=task.get_name(), stack=await_chain(task.get_coro()))
 
 
 async def run_worker(

@@ -138,6 +138,16 @@ class Workers:
     def all_alive(self) -> bool:
         return all(p.alive for p in self.procs.values())
 
+    def task_stacks(self, wait_s: float = 1.0) -> dict[str, list[str]]:
+        """SIGUSR1 every live worker (``pipeline.worker_main``: it logs each asyncio task's await chain)
+        and return the ``task_stack`` lines each logged: where a worker that stopped making progress waits."""
+        sent = {n: len(p.log_text()) for n, p in self.procs.items() if p.alive}
+        for n in sent:
+            self.procs[n].popen.send_signal(signal.SIGUSR1)  # type: ignore[union-attr]
+        time.sleep(wait_s)
+        return {n: [line for line in self.procs[n].log_text()[at:].splitlines() if '"task_stack"' in line]
+                for n, at in sent.items()}
+
     def close(self) -> None:
         for p in self.procs.values():
             p.stop()

@@ -60,6 +60,7 @@ class Run:
     aof_sizes: list[tuple[float, int]] = field(default_factory=list)
     dead_letters: list[tuple[str, str]] = field(default_factory=list)  # (group id, reason) in the DLQ at the end
     left: dict[str, Any] = field(default_factory=dict)  # stream -> (length, first group ids, XPENDING) if not empty
+    stacks: dict[str, list[str]] = field(default_factory=dict)  # worker -> task_stack log lines, if not drained
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def produce(self) -> None:
@@ -140,6 +141,8 @@ async def run_with_crashes(server: RedisServer, namespace: str, tmp_path: Path,
         await tasks[2]
         await learner.aclose()
         alive = w.all_alive()
+        if not (drained and alive):
+            run.stacks = await asyncio.to_thread(w.task_stacks)
         ends = [c["killed_at"] for c in crashes[1:]] + [float("inf")]
         starts = [0.0] + [c["restarted_at"] for c in crashes[:-1]]
         for c, start, end in zip(crashes, starts, ends, strict=True):
@@ -197,7 +200,7 @@ async def test_appendfsync_always_loses_no_acknowledged_group(namespace: str, tm
     report("redis_crash_always", faults_injected=1, outage_s=OUTAGE_S, workers_survived=ok, acked=len(run.acked),
            received=len(set(learner.counts)), learner_redis_errors=learner.transient_errors,
            **figures(run, learner, c, lost))
-    assert ok, f"workers died or the pipeline did not drain after the restart: left {run.left}"
+    assert ok, f"workers died or the pipeline did not drain after the restart: left {run.left}, tasks {run.stacks}"
     assert not lost, f"acknowledged groups lost: {sorted(lost)[:5]}"
     assert not run.dead_letters
     assert learner.duplicates == 0
@@ -225,7 +228,7 @@ async def test_appendfsync_everysec_loss_is_bounded_by_the_last_second(namespace
     report("redis_crash_everysec_total", acked=len(run.acked), received=len(set(learner.counts)), lost=len(lost),
            duplicated=learner.duplicates, lost_outside_windows=len(outside), dead_lettered=len(run.dead_letters),
            workers_survived=ok)
-    assert ok, f"workers died or the pipeline did not drain after the restarts: left {run.left}"
+    assert ok, f"workers died or the pipeline did not drain after the restarts: left {run.left}, tasks {run.stacks}"
     # A batch written across a rollback may name a payload key the restored Redis never had: the learner
     # dead-letters that reference, and the group must still arrive (the teacher writes it again).
     assert {g for g, _ in run.dead_letters} <= set(learner.counts), run.dead_letters
@@ -252,6 +255,10 @@ async def test_worker_started_before_redis_waits_for_it(stage: str, namespace: s
         report(f"redis_down_at_start_{stage}", alive_after_3s_without_redis=alive_while_down,
                exit_code=proc.popen.poll() if proc.popen else None)
         assert alive_while_down, proc.log_text()[-1500:]
+        # SIGUSR1 shows where it waits: every task's await chain, logged; the stage waits on Redis.
+        stacks = (await asyncio.to_thread(w.task_stacks))["w1"]
+        print("\n".join(stacks))
+        assert stacks and any("retry_transient" in line or "_sleep" in line for line in stacks), stacks
         await asyncio.to_thread(server.start)
         r = redis_client(server.url)
         key = Keys(namespace).heartbeat(stage, "w1")
