@@ -154,13 +154,24 @@ class StreamConsumer:
                 raise
 
     async def read(self, count: int, block_ms: int | None = None, *, block: bool = True) -> list[Delivery]:
-        """Up to ``count`` deliveries: reclaimed ones first, then new ones (blocking if none and ``block``)."""
+        """Up to ``count`` deliveries: reclaimed ones first, then new ones (blocking if none and ``block``).
+
+        If a step fails (Redis went away between the reclaim and the read, say), what the earlier steps
+        took is released before the error propagates: an entry left in ``owned`` but never handed out
+        would have its lease renewed and be skipped by every reclaim, stuck until the worker restarts."""
         if count <= 0:
             return []
         out: list[Delivery] = []
+        try:
+            return await self._read(count, block_ms, block, out)
+        except BaseException:
+            self.release(out)  # still pending in Redis: reclaimed once idle
+            raise
+
+    async def _read(self, count: int, block_ms: int | None, block: bool, out: list[Delivery]) -> list[Delivery]:
         if self._own_cursor is not None:
             # After a restart under the same name, our own unacknowledged entries come first.
-            out = await self._read_own_pending(count)
+            out += await self._read_own_pending(count)
         now = self._clock()
         if len(out) < count and now - self._last_claim >= self.settings.claim_interval_ms / 1000:
             self._last_claim = now
@@ -178,7 +189,7 @@ class StreamConsumer:
         if out:
             metrics.CONSUMED.labels(self.stream, "new").inc(sum(not d.reclaimed for d in out))
         if self.resolve_payloads and any(F_REF in d.fields and F_DATA not in d.fields for d in out):
-            out = await self._resolve(out)
+            return await self._resolve(out)
         return out
 
     async def _resolve(self, out: list[Delivery]) -> list[Delivery]:
@@ -215,8 +226,8 @@ class StreamConsumer:
             if d.deliveries > self.settings.max_deliveries:  # a crash loop under a stable name ends here
                 await self.dead_letter(d, f"max_deliveries: delivered {d.deliveries} times without success")
                 continue
-            self.owned.add(eid)
             out.append(d)
+        self.owned.update(d.entry_id for d in out)  # only once nothing can fail before they are handed out
         if out:
             log.info("own_pending_redelivered", stream=self.stream, consumer=self.name, count=len(out))
         return out
@@ -246,8 +257,8 @@ class StreamConsumer:
             if d.deliveries > s.max_deliveries:
                 await self.dead_letter(d, f"max_deliveries: delivered {d.deliveries} times without success")
             else:
-                self.owned.add(eid)
                 out.append(d)
+        self.owned.update(d.entry_id for d in out)  # only once nothing can fail before they are handed out
         if out:
             metrics.CONSUMED.labels(self.stream, "reclaimed").inc(len(out))
             log.info("reclaimed", stream=self.stream, consumer=self.name, count=len(out))

@@ -133,12 +133,14 @@ class Feeder:
                 try:
                     want = min(free, s.read_count)
                     got = await self.consumer.read(want, block_ms=min(s.block_ms, 250)) if want else []
-                    await self._refresh_version()
                     backoff.reset()
                 except TRANSIENT as e:
                     metrics.REDIS_ERRORS.labels("feeder").inc()
                     await _sleep(stop, backoff.next_delay(), e)
                     continue
+                # Entries read are ours now: nothing may fail between here and their admission, or they
+                # would sit in ``owned`` (their leases renewed, skipped by reclaim) and never be batched.
+                await self._refresh_version()
                 for d in got:
                     await self._admit(d)
                 drained = burst and not got and await self._input_drained()
@@ -165,12 +167,17 @@ class Feeder:
 
     async def _refresh_version(self) -> None:
         """Read the learner's policy version, at most every ``VERSION_REFRESH_S`` (staleness is counted in
-        versions, each at least one optimiser step apart: a few ms of lag cannot matter)."""
+        versions, each at least one optimiser step apart: a few ms of lag cannot matter). Never raises: on a
+        Redis error the last version read stays."""
         now = time.monotonic()
         if now - self._version_read_at < VERSION_REFRESH_S:
             return
         self._version_read_at = now
-        raw = await self.redis.get(self.keys.policy_version)
+        try:
+            raw = await self.redis.get(self.keys.policy_version)
+        except TRANSIENT:  # keep the last version read; the next read retries
+            metrics.REDIS_ERRORS.labels("feeder").inc()
+            return
         if raw is not None:
             with contextlib.suppress(ValueError):
                 self.state.policy_version = int(raw)

@@ -173,9 +173,13 @@ class AsyncLearner:
                 if isinstance(msg, TrainBatch):
                     return _Raw(d, msg, [])
                 keys = [r.key for r in msg.refs]
-                payloads: list[bytes | None] = await (
-                    self.redis.mget_nonatomic(keys) if self._cluster else self.redis.mget(keys)  # type: ignore[attr-defined]
-                )
+                try:
+                    payloads: list[bytes | None] = await (
+                        self.redis.mget_nonatomic(keys) if self._cluster else self.redis.mget(keys)  # type: ignore[attr-defined]
+                    )
+                except BaseException:
+                    self.consumer.release([d])  # not handed out: pending, so a later read reclaims it
+                    raise
                 return _Raw(d, msg, payloads)
             if end is not None and loop.time() >= end:
                 return None

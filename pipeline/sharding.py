@@ -106,10 +106,14 @@ class ShardedConsumer:
         start = self._next
         self._next = (start + 1) % n
         out: list[Delivery] = []
-        for j in range(n):
-            if len(out) >= count:
-                break
-            out += await self.parts[self._order[(start + j) % n]].read(count - len(out), block=False)
+        try:
+            for j in range(n):
+                if len(out) >= count:
+                    break
+                out += await self.parts[self._order[(start + j) % n]].read(count - len(out), block=False)
+        except BaseException:
+            self.release(out)  # as StreamConsumer.read: never leave an entry owned but not handed out
+            raise
         if out or not block:
             return out
         wait = self.settings.block_ms if block_ms is None else block_ms
