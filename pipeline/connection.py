@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
@@ -81,6 +82,20 @@ def _connect_cluster(settings: RedisSettings, kwargs: dict[str, object]) -> aior
     return cast(aioredis.Redis, client)
 
 
+#: TCP keepalive on every connection: the first probe after this many idle seconds, then one every
+#: ``KEEPALIVE_INTERVAL_S``, the connection dropped after ``KEEPALIVE_PROBES`` unanswered ones. A Redis gone
+#: without a FIN or RST (host down, a NAT or load balancer forgetting the flow) is noticed in about 30 s,
+#: not after the kernel's default two hours.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 15, 5, 3
+
+
+def keepalive_options() -> dict[int, int]:
+    """``socket_keepalive_options`` for redis-py: the options this platform's ``socket`` module has."""
+    wanted = (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+              ("TCP_KEEPCNT", KEEPALIVE_PROBES))
+    return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
+
+
 def connect(settings: RedisSettings, *, max_connections: int | None = None) -> aioredis.Redis:
     """A client for ``settings.redis_url`` (``redis+cluster://h:p,h:p`` for Redis Cluster).
 
@@ -88,7 +103,7 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
     kwargs: dict[str, object] = {
         "decode_responses": False,
         "socket_connect_timeout": settings.socket_connect_timeout,
-        "socket_keepalive": True,
+        "socket_timeout": settings.socket_timeout,
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError, BusyLoadingError],
     }
@@ -99,6 +114,8 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
             value = getattr(settings, name)
             if value:
                 kwargs[name] = value
+    if not settings.redis_url.startswith("unix://"):  # redis-py's Unix connections take no TCP options
+        kwargs.update(socket_keepalive=True, socket_keepalive_options=keepalive_options())
     if is_cluster_url(settings.redis_url):
         return _connect_cluster(settings, kwargs)
     kwargs["connection_class"] = bigio.connection_class(settings.redis_url)  # sized for multi-MB entries
