@@ -282,8 +282,7 @@ class StreamConsumer:
         Redis, whose pipeline runs in order; after the ack on a cluster, where nodes run in parallel).
 
         Returns those that were no longer pending (one XACK per id tells which): normally none; after a
-        Redis restart that rolled back to an older state (``still_pending``), the entries
-        that state never had."""
+        Redis restart that rolled back to an older state (``still_pending``), the entries it never had."""
         ids = [d.entry_id for d in deliveries]
         if not ids:
             return []

@@ -278,6 +278,8 @@ class Feeder:
         learner dead-letters a reference whose key is gone (``payload_missing``) and receives the copy."""
         gone = {id(d) for d in missed}
         groups = [i.group_id for i in items if id(i.ref) in gone]
+        if not groups:
+            return
         await retry_transient(lambda: self.redis.delete(*(self.keys.seen("batches", g) for g in groups)),
                               deadline_s=60)
         log.error("batched_entries_gone", reason="Redis restarted without them (rolled back) during the write",
