@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from pipeline.keys import Keys
-from pipeline.producer import StreamProducer
+from pipeline.producer import ProducerStopped, StreamProducer
+from pipeline.worker_main import await_chain
 from schemas.build import synthetic_rollout
 from tests.redis_server import RedisServer
 from tests.reliability.harness import (
@@ -69,7 +70,10 @@ class Run:
         i = 0
         while not self.stop.is_set():
             g = synthetic_rollout(2, 32, group_id=f"g{i:05d}", seed=i)
-            await prod.send(g)  # retries over the outage; ADDED or DUPLICATE both mean "it is in Redis"
+            try:  # retries over the outage; ADDED or DUPLICATE both mean "it is in Redis"
+                await prod.send(g, stop=self.stop)
+            except ProducerStopped:  # the stream stayed full until the end: the pipeline stopped draining
+                break
             self.acked[g.group_id] = time.time()
             i += 1
             await asyncio.sleep(1 / RATE_HZ)
@@ -121,6 +125,7 @@ async def run_with_crashes(server: RedisServer, namespace: str, tmp_path: Path,
                            plan: list[Crash]) -> tuple[Run, RecordingLearner, list[dict[str, Any]], bool]:
     """Start workers, produce, crash Redis once per ``plan`` entry, then drain."""
     w = Workers(server.url, namespace, tmp_path)
+    dog = asyncio.create_task(watchdog(w, 150.0))
     try:
         teacher = w.teacher("t1", "--top-k", str(K))
         w.feeder("f1")
@@ -152,7 +157,17 @@ async def run_with_crashes(server: RedisServer, namespace: str, tmp_path: Path,
             c["duplicated"] = learner.duplicates_between(c["killed_at"], end)
         return run, learner, crashes, drained and alive
     finally:
+        dog.cancel()
         w.close()
+
+
+async def watchdog(w: Workers, after_s: float) -> None:
+    """Still running after ``after_s`` (the timeout is 180 s): print where every task of this process and
+    of the workers waits, so that a hang fails with its location instead of a bare timeout."""
+    await asyncio.sleep(after_s)
+    here = {t.get_name(): await_chain(t.get_coro()) for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+    print(f"\nWATCHDOG: run still going after {after_s:.0f} s; tasks of the test process: {here}", flush=True)
+    print(f"WATCHDOG: worker tasks: {await asyncio.to_thread(w.task_stacks)}", flush=True)
 
 
 async def settle(server: RedisServer, namespace: str, learner: RecordingLearner, run: Run) -> bool:
