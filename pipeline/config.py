@@ -20,9 +20,6 @@ class RedisSettings(BaseSettings):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     socket_connect_timeout: float = Field(5.0, gt=0)
-    # No read waits forever: a reply slower than this fails the command, which is then retried on a new
-    # connection. Must exceed the longest blocking read (``StreamSettings.block_ms``; checked by workers).
-    socket_timeout: float = Field(60.0, gt=0)
 
     @field_validator("redis_url")
     @classmethod
