@@ -245,8 +245,10 @@ async def test_appendfsync_everysec_loss_is_bounded_by_the_last_second(namespace
            workers_survived=ok)
     assert ok, f"workers died or the pipeline did not drain after the restarts: left {run.left}, tasks {run.stacks}"
     # A batch written across a rollback may name a payload key the restored Redis never had: the learner
-    # dead-letters that reference, and the group must still arrive (the teacher writes it again).
-    assert {g for g, _ in run.dead_letters} <= set(learner.counts), run.dead_letters
+    # dead-letters that reference, and the group must still arrive (the teacher writes it again) unless
+    # its rollout was lost with the same second (then it is one of the in-window losses allowed below).
+    missing = {g for g, _ in run.dead_letters} - set(learner.counts)
+    assert all(any(a <= run.acked.get(g, -1.0) <= b for a, b in windows) for g in missing), run.dead_letters
     assert all(why.startswith("payload_missing") for _, why in run.dead_letters), run.dead_letters
     # A process crash loses nothing acknowledged (the page cache survives)...
     assert not {g for g in lost if run.acked[g] <= process["restarted_at"]}
