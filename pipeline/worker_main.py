@@ -58,10 +58,16 @@ def await_chain(coro: Any) -> list[str]:
     return out
 
 
+def task_chains() -> dict[str, list[str]]:
+    """Each asyncio task of the running loop (but the calling one) -> its ``await_chain``."""
+    me = asyncio.current_task()
+    return {t.get_name(): await_chain(t.get_coro()) for t in asyncio.all_tasks() if t is not me}
+
+
 def log_task_stacks() -> None:
     """One ``task_stack`` log event per asyncio task of the running loop."""
-    for task in asyncio.all_tasks():
-        log.warning("task_stack", task=task.get_name(), stack=await_chain(task.get_coro()))
+    for name, stack in task_chains().items():
+        log.warning("task_stack", task=name, stack=stack)
 
 
 async def run_worker(

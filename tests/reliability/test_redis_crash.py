@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.keys import Keys
 from pipeline.producer import ProducerStopped, StreamProducer
-from pipeline.worker_main import await_chain
+from pipeline.worker_main import task_chains
 from schemas.build import synthetic_rollout
 from tests.redis_server import RedisServer
 from tests.reliability.harness import (
@@ -165,8 +165,8 @@ async def watchdog(w: Workers, after_s: float) -> None:
     """Still running after ``after_s`` (the timeout is 180 s): print where every task of this process and
     of the workers waits, so that a hang fails with its location instead of a bare timeout."""
     await asyncio.sleep(after_s)
-    here = {t.get_name(): await_chain(t.get_coro()) for t in asyncio.all_tasks() if t is not asyncio.current_task()}
-    print(f"\nWATCHDOG: run still going after {after_s:.0f} s; tasks of the test process: {here}", flush=True)
+    print(f"\nWATCHDOG: run still going after {after_s:.0f} s; tasks of the test process: {task_chains()}",
+          flush=True)
     print(f"WATCHDOG: worker tasks: {await asyncio.to_thread(w.task_stacks)}", flush=True)
 
 
