@@ -40,16 +40,16 @@ import msgspec
 import redis
 import structlog
 
-from pipeline.claimcheck import encode_header
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.connection import connect
-from pipeline.keys import Keys
-from pipeline.producer import StreamProducer, dedupe_ids, message_id, message_type
-from pipeline.runloop import StageRunner
-from pipeline.scoring import Scorer, ScoringConfig
-from pipeline.sharding import get_shards, make_consumer, set_shards
+from pipeline.stages.runloop import StageRunner
+from pipeline.stages.scoring import Scorer, ScoringConfig
+from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.synthetic import SyntheticTeacher
-from pipeline.teacher_stage import TeacherStage
+from pipeline.transport.claimcheck import encode_header
+from pipeline.transport.connection import connect
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer, dedupe_ids, message_id, message_type
+from pipeline.transport.sharding import get_shards, make_consumer, set_shards
 from schemas import RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout
 from schemas.validate import Limits

@@ -3,7 +3,7 @@
     python -m bench.feeder [--groups 1000] [--seq-len 512] [--k 8] [--rounds 3]
 
 Each round fills the scored stream with the same N groups (as teacher workers write them: a header
-entry plus the payload in its own key, see ``pipeline.claimcheck``), then (a) drains it with a bare
+entry plus the payload in its own key, see ``pipeline.transport.claimcheck``), then (a) drains it with a bare
 loop (XREADGROUP COUNT 8, MGET of the payloads, decode with full validation, XACK+XDEL+DEL), and (b)
 refills it and runs the feeder (headers only: batches of 8 groups, ``BatchManifest`` written to the
 batches stream) with a no-op learner client (reads each batch, fetches and validates its groups,
@@ -28,17 +28,17 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from pipeline.batching import BatchingConfig
-from pipeline.claimcheck import encode_header
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.connection import connect
-from pipeline.consumer import StreamConsumer
-from pipeline.feeder import Feeder
-from pipeline.keys import Keys
-from pipeline.kl_control import ConstantKL
-from pipeline.learner import AsyncLearner
+from pipeline.learner.client import AsyncLearner
 from pipeline.logs import configure_logging
-from pipeline.producer import StreamProducer, message_id, message_type
+from pipeline.stages.batching import BatchingConfig
+from pipeline.stages.feeder import Feeder
+from pipeline.stages.kl_control import ConstantKL
+from pipeline.transport.claimcheck import encode_header
+from pipeline.transport.connection import connect
+from pipeline.transport.consumer import StreamConsumer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer, message_id, message_type
 from schemas import ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer

@@ -24,9 +24,9 @@ import redis.asyncio as aioredis
 
 from bench.transport import VOCAB, Workload, client, drop_namespace, new_group, new_keys
 from pipeline.config import StreamSettings
-from pipeline.keys import Keys
-from pipeline.learner import AsyncLearner
-from pipeline.producer import StreamProducer
+from pipeline.learner.client import AsyncLearner
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
 from schemas import BatchManifest, Message, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_scored
 
@@ -110,7 +110,7 @@ class Soak:
 
 
 def _spawn(stage: str, url: str, keys: Keys, extra: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pipeline.cli.main", "worker", stage, "--redis-url", url, "--namespace",
+    cmd = [sys.executable, "-m", "pipeline.ops.cli.main", "worker", stage, "--redis-url", url, "--namespace",
            keys.namespace, "--consumer-name", f"{stage}-0", *extra]
     env = {**os.environ, "DISTILLQ_LOG_LEVEL": "WARNING"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

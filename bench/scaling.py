@@ -7,7 +7,7 @@ serves one batch at a time, a GPU) and ``max_in_flight = 2 x per_call``, the rat
 the teacher does not idle during Redis writes. N workers share the ``rollouts`` consumer group.
 
 Modes: ``tasks`` (N workers as asyncio tasks in this process: honest here, the 50 ms is a sleep that
-uses no CPU) and ``procs`` (N ``python -m pipeline.cli.main worker teacher --backend synthetic
+uses no CPU) and ``procs`` (N ``python -m pipeline.ops.cli.main worker teacher --backend synthetic
 --synthetic-latency 0.05`` processes, stopped with SIGTERM; not ``--burst``, which would exit whenever
 the backlog touches zero). A filler keeps the rollouts backlog topped up (raw XADD
 of encoded groups) and a drain trims the scored stream, so only the workers limit the rate, measured
@@ -32,12 +32,12 @@ import redis.asyncio as aioredis
 from bench.reference_transport import proc_cpu
 from bench.transport import VOCAB, Workload, client, drop_namespace, machine_cpu, new_group, new_keys, redis_cpu
 from pipeline.config import StreamSettings
-from pipeline.keys import Keys
-from pipeline.producer import F_DATA, F_ID, F_TYPE
-from pipeline.runloop import StageRunner
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.stages.runloop import StageRunner
+from pipeline.stages.scoring import Scorer, ScoringConfig
+from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.synthetic import SyntheticTeacher
-from pipeline.teacher_stage import TeacherStage
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import F_DATA, F_ID, F_TYPE
 from schemas import RolloutGroup, encode
 
 LATENCY_S = 0.05
@@ -125,7 +125,7 @@ class _Procs:
     def __init__(self, url: str, keys: Keys, work: Workload, n: int, per_call: int) -> None:
         self.keys, self.n, self.probe = keys, n, client(url)
         env = {**os.environ, "DISTILLQ_LOG_LEVEL": "WARNING"}
-        cmd = [sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend", "synthetic",
+        cmd = [sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend", "synthetic",
                "--synthetic-latency", str(LATENCY_S), "--top-k", str(work.k), "--read-count",
                str(per_call), "--max-in-flight", str(2 * per_call), "--concurrency", "1", "--redis-url", url,
                "--namespace", keys.namespace]

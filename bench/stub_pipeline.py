@@ -20,10 +20,10 @@ import msgspec
 import redis.asyncio as aioredis
 
 from bench.transport import Meter, Window, Workload, client, drop_namespace, new_group, stream_settings
-from pipeline.batching import BatchingConfig, Pending, build_batch
-from pipeline.claimcheck import encode_header, header_of
-from pipeline.keys import Keys
-from pipeline.producer import StreamProducer
+from pipeline.stages.batching import BatchingConfig, Pending, build_batch
+from pipeline.transport.claimcheck import encode_header, header_of
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
 from schemas import encode
 from schemas.build import synthetic_scored
 

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from bench.codec import cpu_model
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.hf import HFTeacher, plan_chunks
-from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
 from schemas.build import make_sequence
 from schemas.messages import RolloutGroup
 

@@ -4,7 +4,7 @@ Topology (both sides, in-process asyncio tasks in one process, each stage with i
 producer -> ``rollouts`` -> teacher worker -> ``scored`` -> feeder -> ``batches`` -> learner (ack).
 
 * distillq: ``StreamProducer.send`` -> ``StageRunner`` + ``TeacherStage`` + ``Scorer(SyntheticTeacher())``
-  -> ``pipeline.feeder.Feeder`` -> ``pipeline.learner.AsyncLearner`` (decode, validate, ack each batch).
+  -> ``pipeline.stages.feeder.Feeder`` -> ``pipeline.learner.client.AsyncLearner`` (decode, validate, ack each batch).
 * stub: ``bench.stub_pipeline``: the same stream operations with pre-built bytes of the same sizes;
   ``stub_producer`` is the stub writing through ``StreamProducer.send_raw`` (the write protocol's price).
 
@@ -29,18 +29,18 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 
-from pipeline.batching import BatchingConfig
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.connection import connect
-from pipeline.feeder import Feeder
-from pipeline.keys import Keys
-from pipeline.kl_control import ConstantKL
-from pipeline.learner import AsyncLearner
-from pipeline.producer import StreamProducer
-from pipeline.runloop import StageRunner
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.learner.client import AsyncLearner
+from pipeline.stages.batching import BatchingConfig
+from pipeline.stages.feeder import Feeder
+from pipeline.stages.kl_control import ConstantKL
+from pipeline.stages.runloop import StageRunner
+from pipeline.stages.scoring import Scorer, ScoringConfig
+from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.synthetic import SyntheticTeacher
-from pipeline.teacher_stage import TeacherStage
+from pipeline.transport.connection import connect
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
 from schemas import RolloutGroup, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 

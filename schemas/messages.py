@@ -133,7 +133,7 @@ class GroupHeader(msgspec.Struct, frozen=True, kw_only=True):
     """What the feeder needs to batch a scored group without reading its payload.
 
     Written by the teacher worker in the ``h`` field of each ``scored`` entry, next to the key that holds
-    the payload (see ``pipeline.claimcheck``). ``kl_sum``/``kl_tokens``: the sum over trainable positions
+    the payload (see ``pipeline.transport.claimcheck``). ``kl_sum``/``kl_tokens``: the sum over trainable positions
     of ``student - teacher`` sampled-token logprob and the number of those positions (sequences with
     ``set_advantage_to_zero`` excluded), so the feeder's KL controller never needs the arrays.
     """
@@ -163,7 +163,7 @@ class BatchManifest(msgspec.Struct, frozen=True, kw_only=True, tag="manifest", t
     """A train batch by reference: whole scored groups (oldest first) and how to weigh them.
 
     The learner client fetches the groups' payloads, validates them, computes per-token advantages with
-    ``kl_coef`` and ``reward_weight`` (``pipeline.batching.materialize``) and hands the learner a
+    ``kl_coef`` and ``reward_weight`` (``pipeline.stages.batching.materialize``) and hands the learner a
     ``TrainBatch``; acknowledging the batch deletes the payloads. Group bytes thus cross Redis once on
     their way from the teacher to the learner.
     """

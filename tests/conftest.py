@@ -7,8 +7,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipeline.config import RedisSettings
-from pipeline.connection import connect
-from pipeline.keys import Keys
+from pipeline.transport.connection import connect
+from pipeline.transport.keys import Keys
 from tests.redis_server import RedisServer
 
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from pipeline.cli.common import add_redis_args, redis_settings
 from pipeline.config import StreamSettings
-from pipeline.connection import retry_transient
-from pipeline.keys import Keys
 from pipeline.logs import configure_logging
-from pipeline.sharding import get_shards, parse_assigned
-from pipeline.worker_main import check_health, run_worker
+from pipeline.ops.cli.common import add_redis_args, redis_settings
+from pipeline.stages.worker_main import check_health, run_worker
+from pipeline.transport.connection import retry_transient
+from pipeline.transport.keys import Keys
+from pipeline.transport.sharding import get_shards, parse_assigned
 
 Serve = Callable[[argparse.Namespace, aioredis.Redis, Keys, asyncio.Event], Awaitable[Any]]
 

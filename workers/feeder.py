@@ -8,10 +8,10 @@ import sys
 
 import redis.asyncio as aioredis
 
-from pipeline.batching import BatchingConfig
-from pipeline.feeder import Feeder
-from pipeline.keys import Keys
-from pipeline.kl_control import AdaptiveKL, ConstantKL
+from pipeline.stages.batching import BatchingConfig
+from pipeline.stages.feeder import Feeder
+from pipeline.stages.kl_control import AdaptiveKL, ConstantKL
+from pipeline.transport.keys import Keys
 from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
 
 

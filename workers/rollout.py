@@ -12,14 +12,14 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
-from pipeline.cli.common import redis_settings
-from pipeline.jobs import JobStats, PromptJob, build_worker, run_worker_until
-from pipeline.keys import Keys
-from pipeline.producer import StreamProducer
+from pipeline.ops.cli.common import redis_settings
 from pipeline.rollout.rewards import get_reward, reward_names
 from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.student_base import GenParams, StudentBackend
-from pipeline.runloop import Heartbeat, RunStats, default_consumer_name
+from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name
+from pipeline.transport.jobs import JobStats, PromptJob, build_worker, run_worker_until
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
 from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
 
 log = structlog.get_logger("distillq.rollout")

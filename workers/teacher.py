@@ -9,11 +9,11 @@ import sys
 import redis.asyncio as aioredis
 import structlog
 
-from pipeline.keys import Keys
-from pipeline.runloop import StageRunner
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.stages.runloop import StageRunner
+from pipeline.stages.scoring import Scorer, ScoringConfig
+from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.base import TeacherBackend, TeacherConfigError
-from pipeline.teacher_stage import TeacherStage
+from pipeline.transport.keys import Keys
 from schemas import RolloutGroup
 from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
 

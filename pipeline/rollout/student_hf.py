@@ -60,7 +60,7 @@ class HFStudent:
         """Load model (float32, eval, CPU) and tokenizer from one directory."""
         from transformers import AutoTokenizer
 
-        from pipeline.tinymodels import load_causal_lm
+        from pipeline.models.tinymodels import load_causal_lm
 
         return cls(load_causal_lm(path), AutoTokenizer.from_pretrained(str(path)))
 
@@ -69,8 +69,8 @@ class HFStudent:
         return self._tokenizer
 
     async def load_weights(self, directory: str | Path) -> int | None:
-        """Load weights published by a learner (``pipeline.weights``) between samples; their version."""
-        from pipeline.weights import load_weights
+        """Load weights published by a learner (``pipeline.models.weights``) between samples; their version."""
+        from pipeline.models.weights import load_weights
 
         def load() -> int | None:
             with self._lock:

@@ -3,7 +3,7 @@
 One HTTP request per sequence (vLLM batches them continuously); requests go to the server with the
 fewest in-flight requests, each server bounded by a semaphore. Failures come back as ``ScoreFailure``:
 timeouts, connection errors, 408/429 and 5xx are retryable, other 4xx are not. Retrying is the
-caller's job (``pipeline.scoring``).
+caller's job (``pipeline.stages.scoring``).
 
 The server's cap on ``prompt_logprobs`` (``--max-logprobs``) is probed once at start and becomes
 ``max_k``; ``start`` raises ``TeacherConfigError`` when the configured ``k`` is above it. A request

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from pipeline import bigio
 from pipeline.config import RedisSettings
-from pipeline.connection import connect
+from pipeline.transport import bigio
+from pipeline.transport.connection import connect
 
 pytestmark = pytest.mark.redis
 

@@ -15,12 +15,12 @@ import pytest
 import redis.asyncio as aioredis
 import structlog
 
-from pipeline.cli.main import main
-from pipeline.consumer import StreamConsumer
-from pipeline.keys import Keys
-from pipeline.producer import StreamProducer
-from pipeline.streamstats import collect, with_rates
-from pipeline.tinymodels import ensure_tiny_models
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.ops.cli.main import main
+from pipeline.ops.streamstats import collect, with_rates
+from pipeline.transport.consumer import StreamConsumer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
 from schemas import DecodeError, DistillStatus, RolloutGroup, ScoredGroup, decode
 from schemas.atropos import to_atropos
 from schemas.build import make_sequence, make_teacher, synthetic_rollout, synthetic_scored

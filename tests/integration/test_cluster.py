@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ResponseError
 
-from pipeline.batching import BatchingConfig
-from pipeline.cli.main import main
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.connection import connect
-from pipeline.feeder import Feeder
-from pipeline.keys import Keys, shard_of
-from pipeline.kl_control import ConstantKL
-from pipeline.learner import AsyncLearner
-from pipeline.producer import StreamProducer
-from pipeline.sharding import get_shards, set_shards
+from pipeline.learner.client import AsyncLearner
+from pipeline.ops.cli.main import main
+from pipeline.stages.batching import BatchingConfig
+from pipeline.stages.feeder import Feeder
+from pipeline.stages.kl_control import ConstantKL
+from pipeline.transport.connection import connect
+from pipeline.transport.keys import Keys, shard_of
+from pipeline.transport.producer import StreamProducer
+from pipeline.transport.sharding import get_shards, set_shards
 from schemas.build import synthetic_rollout
 from tests.cluster import LocalCluster
 
@@ -52,7 +52,7 @@ def teacher_proc(url: str, ns: str, name: str, latency: float = 0.0) -> subproce
     env = {**os.environ, "DISTILLQ_CLAIM_IDLE_MS": "1000", "DISTILLQ_CLAIM_INTERVAL_MS": "200",
            "DISTILLQ_BLOCK_MS": "100", "DISTILLQ_LOG_JSON": "1"}
     with (LOGS / f"{ns}-{name}.log").open("ab") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend",
+        return subprocess.Popen([sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend",
                                  "synthetic", "--synthetic-latency", str(latency), "--top-k", "4", "--read-count", "4",
                                  "--redis-url", url, "--namespace", ns, "--consumer-name", name],
                                 env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.connection import KEEPALIVE_IDLE_S, KEEPALIVE_PROBES, connect
-from pipeline.consumer import StreamConsumer
-from pipeline.keys import Keys
+from pipeline.transport.connection import KEEPALIVE_IDLE_S, KEEPALIVE_PROBES, connect
+from pipeline.transport.consumer import StreamConsumer
+from pipeline.transport.keys import Keys
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

@@ -13,14 +13,14 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pipeline.batching import BatchingConfig
 from pipeline.config import StreamSettings
-from pipeline.consumer import StreamConsumer
-from pipeline.feeder import Feeder
-from pipeline.keys import Keys
-from pipeline.kl_control import ConstantKL
-from pipeline.producer import StreamProducer
-from pipeline.sharding import ShardedConsumer
+from pipeline.stages.batching import BatchingConfig
+from pipeline.stages.feeder import Feeder
+from pipeline.stages.kl_control import ConstantKL
+from pipeline.transport.consumer import StreamConsumer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
+from pipeline.transport.sharding import ShardedConsumer
 from schemas.build import synthetic_rollout, synthetic_scored
 
 pytestmark = pytest.mark.redis

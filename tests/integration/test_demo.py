@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 @pytest.mark.timeout(600)
 def test_demo_distills_and_cleans_up(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--steps", "100", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--steps", "100", "--out", str(out)],
                           capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from pipeline.batching import BatchingConfig
-from pipeline.claimcheck import decode_header
 from pipeline.config import StreamSettings
-from pipeline.consumer import StreamConsumer
-from pipeline.feeder import Feeder
-from pipeline.keys import Keys
-from pipeline.kl_control import AdaptiveKL, ConstantKL, load_controller
-from pipeline.learner import AsyncLearner, Learner
-from pipeline.producer import StreamProducer
+from pipeline.learner.client import AsyncLearner, Learner
+from pipeline.stages.batching import BatchingConfig
+from pipeline.stages.feeder import Feeder
+from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, load_controller
+from pipeline.transport.claimcheck import decode_header
+from pipeline.transport.consumer import StreamConsumer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
 from schemas import BatchManifest, DistillStatus, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 
@@ -106,7 +106,7 @@ async def test_learner_redelivery_after_crash_before_ack(r: aioredis.Redis, keys
 def test_sync_learner_and_policy_version(redis_url: str, keys: Keys) -> None:
     async def prepare() -> None:
         from pipeline.config import RedisSettings
-        from pipeline.connection import connect
+        from pipeline.transport.connection import connect
 
         r = connect(RedisSettings(redis_url=redis_url))
         await push_scored(r, keys, 2)
@@ -149,7 +149,7 @@ async def test_restarted_feeder_never_batches_a_group_twice(r: aioredis.Redis, k
     f1 = Feeder(r, keys, BatchingConfig(max_batch_groups=2, max_wait_s=0), ConstantKL(0.1), s, consumer_name="f1")
     await f1.consumer.ensure_group()
     got = await f1.consumer.read(3)
-    from pipeline.batching import Pending, build_batch
+    from pipeline.stages.batching import Pending, build_batch
 
     assert all(d.payload == b"" and d.header is not None for d in got)  # the feeder reads headers only
     items = [Pending(d.entry_id, decode_header(d.header or b""), d.payload_key or "") for d in got[:2]]

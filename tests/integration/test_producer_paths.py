@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pipeline.config import StreamSettings
-from pipeline.keys import Keys
-from pipeline.producer import RESERVE_MS, SMALL_MESSAGE_BYTES, WRITTEN, AddResult, StreamProducer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import RESERVE_MS, SMALL_MESSAGE_BYTES, WRITTEN, AddResult, StreamProducer
 from schemas import DistillStatus, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.student_vllm import VLLMStudent
-from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
 from tests.vllm_server import START_TIMEOUT_S, needs_vllm, vllm_server
 
 #: Largest |vLLM - HF| logprob difference accepted (about 5e-7 is observed with float32 on CPU).

@@ -9,12 +9,12 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from pipeline.claimcheck import decode_header
 from pipeline.config import StreamSettings
-from pipeline.consumer import StreamConsumer, resolve_payloads
-from pipeline.keys import Keys
-from pipeline.producer import AddResult, BackpressureTimeout, StreamProducer
-from pipeline.runloop import Ack, DeadLetter, Emit, Outcome, Retry, StageRunner
+from pipeline.stages.runloop import Ack, DeadLetter, Emit, Outcome, Retry, StageRunner
+from pipeline.transport.claimcheck import decode_header
+from pipeline.transport.consumer import StreamConsumer, resolve_payloads
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer
 from schemas import DistillStatus, RolloutGroup, ScoredGroup, decode
 from schemas.build import synthetic_rollout
 
@@ -78,7 +78,7 @@ async def test_backpressure_waits_then_proceeds_and_never_trims(r: aioredis.Redi
 
 
 async def test_oversized_message_is_refused_before_redis(r: aioredis.Redis, keys: Keys) -> None:
-    from pipeline.producer import MessageTooLarge
+    from pipeline.transport.producer import MessageTooLarge
 
     prod = StreamProducer(r, keys, "rollouts", fast(max_message_bytes=4096))
     with pytest.raises(MessageTooLarge, match="exceeds max_message_bytes"):

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, TeacherConfigError
 from pipeline.teacher.hf import HFTeacher
 from pipeline.teacher.vllm_http import HTTPTeacherConfig, VLLMTeacher
-from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
 from schemas import DistillStatus
 from schemas.build import synthetic_rollout
 from tests.stubs.vllm_stub import assert_topk_matches, teacher_logprobs

@@ -1,6 +1,6 @@
 """Shared machinery of the reliability tests: worker processes, a recording learner, figures.
 
-Workers run as real processes (``python -m pipeline.cli.main worker ...``) so faults are real: SIGKILL,
+Workers run as real processes (``python -m pipeline.ops.cli.main worker ...``) so faults are real: SIGKILL,
 lost connections, a Redis that goes away. Every process is started here and ended by its own pid.
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.connection import TRANSIENT, connect
-from pipeline.learner import AsyncLearner, LearnerBatch
+from pipeline.learner.client import AsyncLearner, LearnerBatch
 from pipeline.teacher.base import ScoreRequest, ScoreResult
 from pipeline.teacher.synthetic import SyntheticTeacher
+from pipeline.transport.connection import TRANSIENT, connect
 from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup
 
 #: Settings every worker process of these tests gets: fast reclaim, short blocks, JSON logs.
@@ -108,7 +108,7 @@ class WorkerProc:
 
 
 def worker_argv(stage: str, redis_url: str, namespace: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli.main", "worker", stage, "--redis-url", redis_url,
+    return [sys.executable, "-m", "pipeline.ops.cli.main", "worker", stage, "--redis-url", redis_url,
             "--namespace", namespace, *extra]
 
 
@@ -139,7 +139,7 @@ class Workers:
         return all(p.alive for p in self.procs.values())
 
     def task_stacks(self, wait_s: float = 1.0) -> dict[str, list[str]]:
-        """SIGUSR1 every live worker (``pipeline.worker_main``: it logs each asyncio task's await chain)
+        """SIGUSR1 every live worker (``pipeline.stages.worker_main``: it logs each asyncio task's await chain)
         and return the ``task_stack`` lines each logged: where a worker that stopped making progress waits."""
         sent = {n: len(p.log_text()) for n, p in self.procs.items() if p.alive}
         for n in sent:

@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from pipeline.batching import BatchingConfig, Pending, build_batch, materialize
-from pipeline.claimcheck import header_of
-from pipeline.keys import Keys
+from pipeline.stages.batching import BatchingConfig, Pending, build_batch, materialize
+from pipeline.transport.claimcheck import header_of
+from pipeline.transport.keys import Keys
 from schemas import BatchManifest, DecodeError, TrainBatch, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.cli.main import main as cli
-from pipeline.keys import Keys
+from pipeline.ops.cli.main import main as cli
+from pipeline.transport.keys import Keys
 from schemas import DecodeError, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.keys import Keys
-from pipeline.producer import SMALL_MESSAGE_BYTES, AddResult, ProducerStopped, StreamProducer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import SMALL_MESSAGE_BYTES, AddResult, ProducerStopped, StreamProducer
 from schemas import encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer

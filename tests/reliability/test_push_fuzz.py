@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.cli.main import main as cli
-from pipeline.cli.push import parse_file
-from pipeline.keys import Keys
+from pipeline.ops.cli.main import main as cli
+from pipeline.ops.cli.push import parse_file
+from pipeline.transport.keys import Keys
 from schemas.atropos import to_atropos
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer

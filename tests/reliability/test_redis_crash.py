@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.keys import Keys
-from pipeline.producer import ProducerStopped, StreamProducer
-from pipeline.worker_main import task_chains
+from pipeline.stages.worker_main import task_chains
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import ProducerStopped, StreamProducer
 from schemas.build import synthetic_rollout
 from tests.redis_server import RedisServer
 from tests.reliability.harness import (

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.keys import Keys
-from pipeline.producer import StreamProducer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
 from schemas import DistillStatus, RolloutGroup
 from schemas.build import synthetic_rollout
 from tests.redis_server import RedisServer

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import structlog
 
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.sglang_http import SGLangTeacher
 from pipeline.teacher.vllm_http import HTTPTeacher, HTTPTeacherConfig, VLLMTeacher
 from schemas import DecodeError, DistillStatus, RolloutGroup, ScoredGroup, decode, encode

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from pipeline.keys import Keys
-from pipeline.producer import AddResult, StreamProducer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import AddResult, StreamProducer
 from schemas import RolloutGroup
 from schemas.build import synthetic_rollout
 from tests.redis_server import RedisServer

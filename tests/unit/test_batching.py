@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipeline.batching import (
+from pipeline.stages.batching import (
     BatchingConfig,
     Pending,
     admit,
@@ -17,7 +17,7 @@ from pipeline.batching import (
     sequence_advantages,
     take_batch,
 )
-from pipeline.claimcheck import decode_header, encode_header, group_kl, header_of
+from pipeline.transport.claimcheck import decode_header, encode_header, group_kl, header_of
 from schemas import BatchManifest, DecodeError, DistillStatus, GroupHeader, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pipeline.kl_control import AdaptiveKL, ConstantKL, KLController, load_controller
+from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, KLController, load_controller
 
 
 def test_constant_never_changes() -> None:

@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import schemas  # noqa: E402
-from pipeline import losses as L  # noqa: E402
-from pipeline.torch_batch import TorchBatch, to_torch  # noqa: E402
+from pipeline.learner import losses as L  # noqa: E402
+from pipeline.learner.torch_batch import TorchBatch, to_torch  # noqa: E402
 from schemas.build import make_sequence, make_teacher  # noqa: E402
 from schemas.validate import Limits  # noqa: E402
 

@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 import schemas.validate
-from pipeline.scoring import Scorer, ScoringConfig, ScoringStats, pack
+from pipeline.stages.scoring import Scorer, ScoringConfig, ScoringStats, pack
 from pipeline.teacher.base import ScoreFailure, ScoreOutcome, ScoreRequest, ScoreResult
 from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import make_sequence, make_teacher
@@ -252,7 +252,7 @@ async def test_each_check_runs_once_and_the_rollout_is_not_revalidated(monkeypat
     def no_rollout(*args: object, **kw: object) -> None:
         raise AssertionError("the teacher stage re-validated the rollout half")
 
-    monkeypatch.setattr("pipeline.scoring.validate_teacher_part", counting)
+    monkeypatch.setattr("pipeline.stages.scoring.validate_teacher_part", counting)
     monkeypatch.setattr(schemas.validate, "validate_rollout", no_rollout)
     skipped = group(300, [9], group_overrides={"skip_teacher_top_k": True})
     out, _ = await run([group(100, [9, 9]), group(200, [9, 9, 9]), skipped], FakeTeacher())
@@ -328,7 +328,7 @@ async def test_packing_respects_token_budget() -> None:
 
 
 def test_pack_function_covers_all() -> None:
-    from pipeline.scoring import _Item
+    from pipeline.stages.scoring import _Item
 
     items = [_Item(0, i, ScoreRequest(np.zeros(n, np.int32), 1)) for i, n in enumerate([5, 50, 20, 20, 7, 100])]
     calls = pack(items, 60)

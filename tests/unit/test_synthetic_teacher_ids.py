@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreRequest, ScoreResult, result_problem
 from pipeline.teacher.synthetic import SyntheticTeacher
 from schemas import DistillStatus, Limits

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.worker_main import await_chain
+from pipeline.stages.worker_main import await_chain
 
 
 async def test_await_chain_follows_a_suspended_task_to_its_innermost_wait() -> None:

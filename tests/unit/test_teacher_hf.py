@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult
 from pipeline.teacher.hf import HFTeacher, plan_chunks
 from pipeline.teacher.vocab import VocabMismatchError, check_same_vocab, self_test_checksum
-from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
 from schemas import DistillStatus, Limits, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout
 

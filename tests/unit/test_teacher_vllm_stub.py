@@ -9,13 +9,13 @@ import httpx
 import numpy as np
 import pytest
 
-from pipeline.scoring import Scorer, ScoringConfig
+from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, TeacherConfigError
 from pipeline.teacher.hf import HFTeacher
 from pipeline.teacher.sglang_http import SGLangTeacher
 from pipeline.teacher.vllm_http import HTTPTeacher, HTTPTeacherConfig, VLLMTeacher, parse_prompt_logprobs
 from pipeline.teacher.vocab import self_test_checksum
-from pipeline.tinymodels import ensure_tiny_models, load_causal_lm
 from schemas import DistillStatus
 from schemas.build import synthetic_rollout
 from tests.stubs.vllm_stub import VLLMStub, assert_topk_matches, teacher_logprobs

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import schemas  # noqa: E402
-from pipeline import losses as L  # noqa: E402
-from pipeline.torch_batch import PAD_LOGPROB, TorchBatch, to_torch  # noqa: E402
+from pipeline.learner import losses as L  # noqa: E402
+from pipeline.learner.torch_batch import PAD_LOGPROB, TorchBatch, to_torch  # noqa: E402
 from schemas.build import make_sequence, synthetic_rollout, synthetic_scored, synthetic_teacher  # noqa: E402
 
 VOCAB = 1000
@@ -174,6 +174,6 @@ def test_malformed_batches_raise(batch: schemas.TrainBatch) -> None:
 
 
 def test_kl_control_and_schemas_do_not_need_torch() -> None:
-    code = "import sys; sys.modules['torch'] = None; import pipeline.kl_control, schemas; print('ok')"
+    code = "import sys; sys.modules['torch'] = None; import pipeline.stages.kl_control, schemas; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

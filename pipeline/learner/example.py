@@ -1,0 +1,180 @@
+"""An example learner that trains a (tiny, local) student on the feeder's batches.
+
+    python -m pipeline.learner.example --student DIR --weights-dir DIR [--eval-teacher DIR] --steps 300
+
+Per step: read a batch (``pipeline.learner.client.Learner``), ``to_torch`` it, and minimise
+
+    pg_weight * importance-sampled policy gradient on the feeder's per-token advantages
+              (coef * (teacher logprob - student logprob) of each sampled token: reverse KL)
+  + kd_weight * top-k forward KL to the teacher (with a tail bucket)
+
+then ack the batch, and every ``sync_every`` steps publish the weights (safetensors) and the new
+policy version, which rollout workers pick up. Each step's figures go to ``--metrics-file`` (JSONL),
+including the batch's sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to
+the teacher on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from pipeline.learner.client import Learner
+from pipeline.learner.losses import importance_sampled_pg_loss, token_logprobs, topk_forward_kl
+from pipeline.learner.torch_batch import to_torch
+from pipeline.models.tinymodels import arithmetic_problem, load_causal_lm
+from pipeline.models.weights import load_weights, save_weights
+from schemas import TrainBatch
+
+log = structlog.get_logger("distillq.example_learner")
+
+
+@dataclass
+class LearnerConfig:
+    student: str
+    weights_dir: str
+    steps: int = 300
+    lr: float = 2e-3
+    pg_weight: float = 1.0
+    kd_weight: float = 1.0
+    clip: float = 0.2
+    sync_every: int = 1
+    eval_teacher: str | None = None
+    eval_every: int = 25
+    eval_prompts: int = 48
+    metrics_file: str | None = None
+    batch_timeout_s: float = 60.0
+    redis_url: str | None = None
+    namespace: str | None = None
+    seed: int = 0
+
+
+def heldout_prompts(tokenizer: Any, n: int, seed: int = 12345) -> list[list[int]]:
+    from pipeline.models.pretrain import chat_ids
+
+    rng = random.Random(seed)
+    return [chat_ids(tokenizer, arithmetic_problem(rng, "heldout")[0]) for _ in range(n)]
+
+
+def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+    from transformers import AutoTokenizer
+
+    from pipeline.models.evaluation import reverse_kl_on_prompts
+
+    torch.manual_seed(cfg.seed)
+    student = load_causal_lm(cfg.student)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+    teacher = load_causal_lm(cfg.eval_teacher) if cfg.eval_teacher else None
+    prompts = heldout_prompts(tokenizer, cfg.eval_prompts) if teacher is not None else []
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
+    history: list[dict[str, float]] = []
+    out = open(cfg.metrics_file, "a") if cfg.metrics_file else None  # noqa: SIM115
+    version = 0
+
+    def evaluate(step: int) -> float:
+        student.eval()
+        kl = reverse_kl_on_prompts(student, teacher, prompts, seed=step)
+        student.train()
+        return kl
+
+    with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
+        resumed = load_weights(student, cfg.weights_dir)  # a restarted learner continues from what it published
+        version = resumed if resumed is not None else max(learner.policy_version(), 0)
+        if resumed is None:
+            save_weights(student, cfg.weights_dir, version)
+        learner.publish_policy_version(version)
+        rec0: dict[str, float] = {"step": 0.0, "policy_version": float(version)}
+        if teacher is not None:
+            rec0["heldout_reverse_kl"] = evaluate(0)
+        _emit(rec0, history, out, on_step)
+        student.train()
+        for step in range(1, cfg.steps + 1):
+            b = learner.next_batch(cfg.batch_timeout_s)
+            if b is None:
+                log.warning("no_batch", waited_s=cfg.batch_timeout_s, step=step)
+                break
+            t0 = time.perf_counter()
+            loss, pg, kd = optimiser_step(student, opt, b.batch, cfg)
+            learner.ack(b)  # after the optimiser step: a crash before this redelivers the batch
+            if step % cfg.sync_every == 0:
+                version += 1
+                save_weights(student, cfg.weights_dir, version)
+                learner.publish_policy_version(version)
+            stats = b.batch.stats or {}
+            rec: dict[str, float] = {
+                "step": float(step), "loss": float(loss), "pg_loss": float(pg), "kd_loss": float(kd),
+                "batch_reverse_kl": stats.get("reverse_kl", float("nan")), "tokens": stats.get("tokens", 0.0),
+                "groups": stats.get("groups", 0.0), "policy_version": float(version),
+                "batch_policy_version": float(b.batch.policy_version), "step_s": time.perf_counter() - t0,
+            }
+            if teacher is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                rec["heldout_reverse_kl"] = evaluate(step)
+            _emit(rec, history, out, on_step)
+    if out is not None:
+        out.close()
+    return history
+
+
+def optimiser_step(
+    student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: LearnerConfig
+) -> tuple[float, float, float]:
+    """One step on ``batch``: IS policy gradient on the reverse-KL advantages plus top-k forward KL."""
+    tb = to_torch(batch)
+    logits = student(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long()).logits[:, :-1]
+    new_lp = token_logprobs(logits, tb.labels)
+    pg = importance_sampled_pg_loss(new_lp, tb.student_logprobs, tb.advantages, tb.loss_mask, clip=cfg.clip)
+    kd = topk_forward_kl(logits, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask, mode="tail")
+    loss = cfg.pg_weight * pg + cfg.kd_weight * kd
+    opt.zero_grad()
+    loss.backward()  # type: ignore[no-untyped-call]
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    opt.step()
+    return float(loss), float(pg), float(kd)
+
+
+def _emit(rec: dict[str, float], history: list[dict[str, float]], out: Any,
+          on_step: Callable[[dict[str, float]], None] | None) -> None:
+    history.append(rec)
+    if out is not None:
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+    if on_step is not None:
+        on_step(rec)
+    if "heldout_reverse_kl" in rec:
+        log.info("eval", step=int(rec["step"]), heldout_reverse_kl=round(rec["heldout_reverse_kl"], 4))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.logs import configure_logging
+
+    p = argparse.ArgumentParser(prog="python -m pipeline.learner.example", description=__doc__.split("\n")[0])
+    for name, typ, default in (
+        ("student", str, None), ("weights-dir", str, None), ("steps", int, 300), ("lr", float, 2e-3),
+        ("pg-weight", float, 1.0), ("kd-weight", float, 1.0), ("sync-every", int, 1), ("eval-teacher", str, None),
+        ("eval-every", int, 25), ("eval-prompts", int, 48), ("metrics-file", str, None),
+        ("batch-timeout", float, 60.0), ("redis-url", str, None), ("namespace", str, None),
+    ):
+        p.add_argument(f"--{name}", type=typ, default=default, required=name in ("student", "weights-dir"))
+    a = p.parse_args(argv)
+    configure_logging()
+    cfg = LearnerConfig(student=a.student, weights_dir=a.weights_dir, steps=a.steps, lr=a.lr, pg_weight=a.pg_weight,
+                        kd_weight=a.kd_weight, sync_every=a.sync_every, eval_teacher=a.eval_teacher,
+                        eval_every=a.eval_every, eval_prompts=a.eval_prompts, metrics_file=a.metrics_file,
+                        batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace)
+    Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
+    history = train(cfg)
+    return 0 if len(history) > 1 else 1  # history[0] is the step-0 record: no step ran without a batch
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Turn a ``TrainBatch`` into padded torch tensors aligned to next-token prediction.
+
+Needs torch (the ``hf`` extra); nothing else in ``pipeline`` imports this module at import time.
+
+Alignment: for sequence ``i`` with ``L_i`` tokens, index ``t`` of every ``[B, T-1]`` tensor is about
+predicting token ``t + 1`` from ``tokens[:t + 1]``, i.e. it pairs with ``logits[:, t]`` of a causal LM
+run on ``input_ids``. Per-token arrays are shifted by one (``x[1:]``); teacher arrays are already
+logits-aligned (row ``r`` predicts token ``r + 1``) and map straight to index ``r``.
+
+Padding: positions past a sequence's end have every mask 0, ``labels``/``input_ids`` ``pad_id`` and zeros
+elsewhere. Top-k slots that carry no teacher entry (past the row's ``k``, a group without payload, or
+padding) have id 0 and logprob ``PAD_LOGPROB`` (a large negative *finite* number, so that
+``exp(PAD_LOGPROB) == 0`` and no ``0 * inf`` NaN arises); ``pipeline.learner.losses`` treats any logprob
+``<= PAD_LOGPROB / 2`` as an empty slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pipeline.learner.losses import PAD_LOGPROB
+from schemas.messages import DistillStatus, TrainBatch
+
+__all__ = ["PAD_LOGPROB", "TorchBatch", "to_torch"]
+
+
+@dataclass(frozen=True, slots=True)
+class TorchBatch:
+    """Padded tensors for one learner step. ``B`` sequences (groups flattened), ``T`` longest length,
+    ``K`` largest teacher k in the batch (at least 1)."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    attention_mask: torch.Tensor  # [B, T] bool
+    labels: torch.Tensor  # [B, T-1] int64, tokens[:, 1:]
+    loss_mask: torch.Tensor  # [B, T-1] float32, loss_mask[:, 1:]
+    student_logprobs: torch.Tensor  # [B, T-1] float32, logprobs[:, 1:] (zeros where absent)
+    advantages: torch.Tensor  # [B, T-1] float32, batch.advantages[i][1:]
+    teacher_topk_ids: torch.Tensor  # [B, T-1, K] int64
+    teacher_topk_logprobs: torch.Tensor  # [B, T-1, K] float32, PAD_LOGPROB in empty slots
+    teacher_sampled_logprobs: torch.Tensor  # [B, T-1] float32
+    distill_mask: torch.Tensor  # [B, T-1] float32, loss_mask where the group has an OK teacher payload
+    group_index: torch.Tensor  # [B] int64, index of the sequence's group in batch.groups
+    seq_lengths: torch.Tensor  # [B] int64
+
+    def to(self, device: str | torch.device, *, non_blocking: bool = False) -> TorchBatch:
+        """A copy with every tensor moved to ``device``."""
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
+        return TorchBatch(**moved)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def to_torch(batch: TrainBatch, device: str | torch.device = "cpu", pad_id: int = 0) -> TorchBatch:
+    """Pad ``batch`` into a ``TorchBatch`` on ``device``.
+
+    Each wire array is copied once into a writable padded numpy buffer (casting float16 teacher logprobs
+    to float32), wrapped with ``torch.from_numpy`` and moved to ``device`` in one transfer per field.
+
+    Raises ``ValueError`` if the batch is empty or its arrays disagree in length with the tokens.
+    """
+    seqs = [(gi, s) for gi, g in enumerate(batch.groups) for s in g.group.sequences]
+    if not seqs:
+        raise ValueError("batch has no sequences")
+    if len(batch.advantages) != len(seqs):
+        raise ValueError(f"{len(batch.advantages)} advantage arrays for {len(seqs)} sequences")
+    payloads = [
+        g.teacher[j] if g.status is DistillStatus.OK and g.teacher is not None else None
+        for g in batch.groups
+        for j in range(len(g.group.sequences))
+    ]
+    b = len(seqs)
+    t = max(s.length for _, s in seqs)
+    k = max([p.k for p in payloads if p is not None] + [1])
+    n = max(t - 1, 0)
+
+    input_ids = np.full((b, t), pad_id, np.int64)
+    attention = np.zeros((b, t), np.bool_)
+    mask = np.zeros((b, n), np.float32)
+    student = np.zeros((b, n), np.float32)
+    adv = np.zeros((b, n), np.float32)
+    top_ids = np.zeros((b, n, k), np.int64)
+    top_lps = np.full((b, n, k), PAD_LOGPROB, np.float32)
+    sampled = np.zeros((b, n), np.float32)
+    distill = np.zeros((b, n), np.float32)
+    lengths = np.zeros(b, np.int64)
+
+    for i, ((_, seq), p, a) in enumerate(zip(seqs, payloads, batch.advantages, strict=True)):
+        length = seq.length
+        if length < 1:
+            raise ValueError(f"sequence {i} is empty")
+        m = length - 1
+        lengths[i] = length
+        input_ids[i, :length] = seq.tokens.numpy()
+        attention[i, :length] = True
+        mask[i, :m] = seq.loss_mask.numpy()[1:]
+        if seq.logprobs is not None:
+            student[i, :m] = seq.logprobs.numpy()[1:]
+        av = a.numpy()
+        if av.shape != (length,):
+            raise ValueError(f"advantages[{i}] has shape {av.shape}, sequence has {length} tokens")
+        adv[i, :m] = av[1:]
+        if p is None:
+            continue
+        ids = p.topk_ids.numpy()
+        if ids.shape != (m, p.k):
+            raise ValueError(f"teacher payload {i} has shape {ids.shape}, expected {(m, p.k)}")
+        top_ids[i, :m, : p.k] = ids
+        top_lps[i, :m, : p.k] = p.topk_logprobs.numpy()
+        sampled[i, :m] = p.sampled_logprobs.numpy()
+        distill[i, :m] = mask[i, :m]
+
+    labels = input_ids[:, 1:].copy()
+    group_index = np.array([gi for gi, _ in seqs], np.int64)
+
+    def tt(x: npt.NDArray[np.generic]) -> torch.Tensor:
+        return torch.from_numpy(x).to(device)
+
+    return TorchBatch(
+        input_ids=tt(input_ids),
+        attention_mask=tt(attention),
+        labels=tt(labels),
+        loss_mask=tt(mask),
+        student_logprobs=tt(student),
+        advantages=tt(adv),
+        teacher_topk_ids=tt(top_ids),
+        teacher_topk_logprobs=tt(top_lps),
+        teacher_sampled_logprobs=tt(sampled),
+        distill_mask=tt(distill),
+        group_index=tt(group_index),
+        seq_lengths=tt(lengths),
+    )

@@ -1,0 +1,81 @@
+"""``distillq demo``: the pipeline end to end on one machine, on an embedded Redis by default.
+
+Every process it starts, and the embedded server, are stopped on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from pipeline.ops.cli.common import add_redis_args
+from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.transport.connection import mask_url
+
+console = Console(stderr=True)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("demo", help="run the whole pipeline on this machine (embedded Redis unless --redis-url)")
+    p.add_argument("--steps", type=int, default=150, help="learner steps (default 150)")
+    p.add_argument("--rollout-workers", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("demo-output"), help="report, plot, logs (default demo-output/)")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds the pipeline may run (default 240)")
+    add_redis_args(p)
+    p.set_defaults(func=main)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    from pipeline.models.pretrain import train_teacher
+    from pipeline.models.tinymodels import ensure_tiny_models
+    from pipeline.ops.demo import DemoConfig, plot, report, run_pipeline
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    t0 = time.monotonic()
+    embedded = None
+    try:
+        url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
+        if url:
+            console.print(f"using Redis at {mask_url(url)}")
+        else:
+            embedded = EmbeddedRedis().start()
+            url = embedded.url
+            console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
+        with console.status("building tiny models (cached after the first run)..."):
+            tiny = ensure_tiny_models()
+        with console.status("training the teacher on the arithmetic task (cached)...") as status:
+            teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
+                f"training the teacher: step {s + 1}, loss {loss:.3f}"))
+        console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
+        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps,
+                         rollout_workers=args.rollout_workers, timeout_s=args.timeout)
+        from pipeline.ops.demo import enqueue
+
+        console.print(f"enqueued {enqueue(cfg)} prompts")
+        result = run_pipeline(cfg, tiny.student, teacher, console)
+        summary = report(result, console)
+        summary["total_s"] = round(time.monotonic() - t0, 1)
+        (args.out / "report.json").write_text(json.dumps(summary, indent=2))
+        png = plot(result, args.out / "reverse_kl.png")
+        console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
+                      + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
+        ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/yellow]")
+        return 130
+    finally:
+        if embedded is not None:
+            embedded.stop()

@@ -1,0 +1,287 @@
+"""``distillq dlq list|show|replay|purge``: inspect dead letters, send them back, or delete them.
+
+Dead-letter fields (written by ``StreamConsumer.dead_letter``): stage, reason, source, source_id, source_shard,
+deliveries, consumer, at_ms, and ``orig_<field>`` for each field of the original entry (t, gid, d).
+Replay re-validates the original bytes, writes them to their source stream (or ``--to``) without the
+dedupe check (the group id's marker exists from the first write; backpressure still applies), and
+deletes the dead letter only once that write succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+
+from pipeline.config import StreamSettings
+from pipeline.ops.cli.common import add_redis_args, run, with_redis
+from pipeline.ops.inspect import one_line, summarize_entry, summarize_message
+from pipeline.ops.streamstats import server_time
+from pipeline.transport.claimcheck import encode_header
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import F_DATA, BackpressureTimeout, StreamProducer, message_id, message_type
+from pipeline.transport.sharding import get_shards
+from schemas import BatchManifest, DecodeError, Limits, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
+
+ORIG: Final = b"orig_"
+#: What each replay target accepts.
+TARGETS: Final[dict[str, tuple[type[Message], ...]]] = {
+    "rollouts": (RolloutGroup,), "scored": (ScoredGroup,), "batches": (BatchManifest, TrainBatch),
+}
+_PAGE: Final = 100
+
+# Count entries with id <= ARGV[1] in pages, server-side (dead letters carry whole payloads).
+_COUNT_UPTO: Final = """
+local n, start, last = 0, '-', ''
+while true do
+  local page = redis.call('XRANGE', KEYS[1], start, ARGV[1], 'COUNT', 500)
+  n = n + #page
+  if #page > 0 then last = page[#page][1] end
+  if #page < 500 then return {n, last} end
+  start = '(' .. last
+end
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("dlq", help="list, show, replay or purge dead letters")
+    dsub = p.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
+
+    ls = dsub.add_parser("list", help="the newest dead letters, oldest first")
+    ls.add_argument("--count", "-n", type=int, default=20, help="entries to show (default 20)")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls.set_defaults(func=main_list)
+
+    show = dsub.add_parser("show", help="every field of one dead letter and its decoded payload")
+    show.add_argument("entry_id")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=main_show)
+
+    rp = dsub.add_parser("replay", help="re-validate dead letters and write them back to their stream")
+    rp.add_argument("entry_ids", nargs="*", metavar="ENTRY_ID")
+    rp.add_argument("--all", action="store_true", help="every dead letter")
+    rp.add_argument("--to", choices=sorted(TARGETS), default=None, help="target stream (default: each one's source)")
+    rp.set_defaults(func=main_replay)
+
+    pg = dsub.add_parser("purge", help="delete dead letters")
+    pg.add_argument("--older-than", type=float, default=None, metavar="SECONDS", help="only entries older than this")
+    pg.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    pg.set_defaults(func=main_purge)
+
+    for leaf in (ls, show, rp, pg):
+        add_redis_args(leaf)
+
+
+def _s(b: bytes | None) -> str:
+    return b.decode("utf-8", "replace") if b is not None else ""
+
+
+def _fmt_ms(ms: str) -> str:
+    try:
+        return dt.datetime.fromtimestamp(int(ms) / 1000, dt.UTC).isoformat(timespec="milliseconds")
+    except ValueError:
+        return ms
+
+
+def describe(entry_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
+    """All fields (the payload as its size) plus the payload decoded and summarised, or the decode error."""
+    shown: dict[str, Any] = {}
+    for k, v in fields.items():
+        name = _s(k)
+        shown[name] = f"<{len(v)} bytes>" if k == ORIG + F_DATA else _s(v)
+    out: dict[str, Any] = {"entry_id": entry_id, "fields": shown}
+    try:
+        msg = decode(fields.get(ORIG + F_DATA, b""), StreamSettings().limits())
+    except DecodeError as e:
+        out["payload"] = {"valid": False, "field": e.field, "reason": e.reason}
+    else:
+        out["payload"] = {"valid": True, **summarize_message(msg)}
+    return out
+
+
+async def _get(redis: aioredis.Redis, keys: Keys, entry_id: str) -> dict[bytes, bytes] | None:
+    rows = await redis.xrange(keys.dlq, min=entry_id, max=entry_id)
+    return dict(rows[0][1]) if rows else None
+
+
+async def dlq_list(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> int:
+    total = int(await redis.xlen(keys.dlq))
+    rows = await redis.xrevrange(keys.dlq, count=args.count) if args.count > 0 else []
+    for eid, fields in reversed(rows):
+        summary = summarize_entry(_s(eid), fields)
+        print(json.dumps(summary) if args.json else one_line(summary))
+    if not args.json:
+        shown = f", showing the newest {len(rows)}" if len(rows) < total else ""
+        print(f"{total} dead letter(s) in {keys.dlq}{shown}", file=sys.stderr)
+    return 0
+
+
+async def dlq_show(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> int:
+    fields = await _get(redis, keys, args.entry_id)
+    if fields is None:
+        print(f"no dead letter {args.entry_id} in {keys.dlq}", file=sys.stderr)
+        return 1
+    info = describe(args.entry_id, fields)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"dead letter {args.entry_id}")
+    for name, value in info["fields"].items():
+        extra = f"  ({_fmt_ms(value)})" if name == "at_ms" else ""
+        print(f"  {name:<12} {value}{extra}")
+    payload = info["payload"]
+    if payload["valid"]:
+        print(f"payload: valid {payload['type']}")
+        for k, v in payload.items():
+            if k not in ("valid", "type"):
+                print(f"  {k:<16} {json.dumps(v)}")
+    else:
+        print(f"payload: INVALID at {payload['field']}: {payload['reason']}")
+    return 0
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    entry_id: str
+    ok: bool
+    detail: str  # the new entry id, or why it stayed
+
+
+def check_replay(fields: dict[bytes, bytes], to: str | None, limits: Limits) -> tuple[str, Message] | str:
+    """(target stream, decoded message), or the reason the entry cannot be replayed."""
+    target = to or _s(fields.get(b"source"))
+    expect = TARGETS.get(target)
+    if expect is None:
+        return f"unknown source stream {target!r}; pass --to"
+    payload = fields.get(ORIG + F_DATA)
+    if payload is None:
+        return "no original payload (orig_d) in the dead letter"
+    try:
+        msg = decode(payload, limits)
+    except DecodeError as e:
+        return f"still invalid: {e}"
+    if not isinstance(msg, expect):
+        want = " or ".join(t.__name__ for t in expect)
+        return f"still invalid: t: expected a {want}, got a {type(msg).__name__}"
+    return target, msg
+
+
+async def replay_one(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[bytes, bytes] | None,
+                     to: str | None, settings: StreamSettings) -> ReplayResult:
+    if fields is None:
+        return ReplayResult(entry_id, False, "not in the DLQ")
+    checked = check_replay(fields, to, settings.limits())
+    if isinstance(checked, str):
+        return ReplayResult(entry_id, False, checked)
+    target, msg = checked
+    gid = message_id(msg)
+    producer = StreamProducer(redis, keys, target, settings, dedupe=False, shards=await get_shards(redis, keys))
+    payload = fields[ORIG + F_DATA]
+    header = encode_header(msg, len(payload)) if producer.claim_check else None
+    added = await producer.send_raw(payload, message_type(msg), gid, header=header)
+    await redis.xdel(keys.dlq, entry_id)  # only after the write succeeded
+    return ReplayResult(entry_id, True, f"-> {target} {added.entry_id} (group {gid})")
+
+
+async def _entries(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace
+                   ) -> AsyncIterator[tuple[str, dict[bytes, bytes] | None]]:
+    """The named dead letters (None for a missing one), or with ``--all`` every one, a page at a time."""
+    if not args.all:
+        for eid in dict.fromkeys(args.entry_ids):
+            yield eid, await _get(redis, keys, eid)
+        return
+    start = "-"
+    while True:
+        page = await redis.xrange(keys.dlq, min=start, max="+", count=_PAGE)
+        for eid, fields in page:
+            yield _s(eid), dict(fields)
+        if len(page) < _PAGE:
+            return
+        start = f"({_s(page[-1][0])}"
+
+
+async def dlq_replay(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> int:
+    settings = StreamSettings()
+    done = total = 0
+    async for eid, fields in _entries(redis, keys, args):
+        total += 1
+        try:
+            res = await replay_one(redis, keys, eid, fields, args.to, settings)
+        except BackpressureTimeout as e:
+            res = ReplayResult(eid, False, f"backpressure: {e}")
+        done += res.ok
+        print(f"{'replayed' if res.ok else 'kept    '} {eid} {res.detail}", flush=True)
+        if res.detail.startswith("backpressure:"):
+            break  # the target stays full: stop instead of waiting once per remaining entry
+    print(f"replayed {done} of {total}; {total - done} kept in the DLQ")
+    return 0 if done == total else 1
+
+
+def _successor(entry_id: str) -> str:
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+async def purge_plan(redis: aioredis.Redis, keys: Keys, older_than: float | None) -> tuple[int, str]:
+    """(entries to delete, MINID threshold): ids below the threshold go."""
+    upto = "+"
+    if older_than is not None:
+        cutoff_ms = int((await server_time(redis) - older_than) * 1000)
+        upto = f"{cutoff_ms - 1}" if cutoff_ms > 0 else "0-0"
+    n, last = await redis.register_script(_COUNT_UPTO)(keys=[keys.dlq], args=[upto])
+    return int(n), _successor(_s(last)) if n else "0-0"
+
+
+async def purge(redis: aioredis.Redis, keys: Keys, threshold: str) -> int:
+    return int(await redis.xtrim(keys.dlq, minid=threshold, approximate=False))
+
+
+def _confirm(n: int, key: str) -> bool | None:
+    """True/False from the operator, None when there is no terminal to ask on."""
+    if sys.stdin is None or not sys.stdin.isatty():
+        return None
+    try:
+        answer = input(f"Delete {n} dead letter(s) from {key}? [y/N] ")
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def main_list(args: argparse.Namespace) -> int:
+    return run(with_redis(args, lambda r, k: dlq_list(r, k, args)))
+
+
+def main_show(args: argparse.Namespace) -> int:
+    return run(with_redis(args, lambda r, k: dlq_show(r, k, args)))
+
+
+def main_replay(args: argparse.Namespace) -> int:
+    if args.all == bool(args.entry_ids):
+        print("dlq replay: give ENTRY_ID ... or --all (not both)", file=sys.stderr)
+        return 2
+    return run(with_redis(args, lambda r, k: dlq_replay(r, k, args)))
+
+
+def main_purge(args: argparse.Namespace) -> int:
+    n, threshold = run(with_redis(args, lambda r, k: purge_plan(r, k, args.older_than)))
+    what = "dead letter(s)" + (f" older than {args.older_than:g} s" if args.older_than is not None else "")
+    if n == 0:
+        print(f"no {what} to delete")
+        return 0
+    if not args.yes:
+        ok = _confirm(n, "the DLQ")
+        if ok is None:
+            print(f"dlq purge: {n} {what} would be deleted; no terminal to confirm on, pass --yes", file=sys.stderr)
+            return 2
+        if not ok:
+            print("nothing deleted")
+            return 1
+    deleted = run(with_redis(args, lambda r, k: purge(r, k, threshold)))
+    print(f"deleted {deleted} {what}")
+    return 0

@@ -1,0 +1,152 @@
+"""``distillq stats``: backlog, consumer groups, pending work, dead letters, throughput and live workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import redis.asyncio as aioredis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from pipeline.ops.cli.common import add_redis_args, run, stream_name, with_redis
+from pipeline.ops.streamstats import Snapshot, collect, with_rates
+from pipeline.transport.keys import STREAMS, Keys
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("stats", help="stream lengths, consumer groups, lag, dead letters, throughput, workers")
+    p.add_argument("streams", nargs="*", type=stream_name, metavar="STREAM",
+                   help=f"streams to show (default: all of {', '.join(STREAMS)})")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C; shows live rates")
+    p.add_argument("--refreshes", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
+    p.add_argument("--json", action="store_true", help="JSON (one object per refresh with --watch)")
+    p.add_argument("--window", type=float, default=60.0, metavar="SECONDS",
+                   help="throughput window for one-shot figures (default 60)")
+    add_redis_args(p)
+    p.set_defaults(func=main)
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.1f} s"
+    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _rate(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+def stream_table(snap: Snapshot) -> Table:
+    t = Table(title=f"streams (namespace {snap.namespace})", title_justify="left")
+    for col in ("stream", "length", "memory", "added/s", "group", "lag", "pending", "oldest pending",
+                "read/s", "consumers"):
+        t.add_column(col, justify="left" if col in ("stream", "group") else "right")
+    for s in snap.streams.values():
+        added = _rate(s.added_per_s) if s.added_per_s is not None else f"≥{s.window_rate:.2f}"
+        if s.name == "dlq":
+            added = f"{s.window_rate:.2f}"  # never consumed: the window count is exact
+        head = [s.name if s.exists else f"{s.name} (absent)", str(s.length), _bytes(s.memory_bytes), added]
+        if not s.groups:
+            t.add_row(*head, "-", "-", "-", "-", "-", "-")
+        for i, g in enumerate(s.groups):
+            lag = f"~{g.lag}" if g.lag_estimated else str(g.lag)
+            row = [g.name if g.exists else f"{g.name} (absent)", lag, str(g.pending),
+                   _secs(g.oldest_pending_age_s), _rate(g.read_per_s), str(g.consumers)]
+            t.add_row(*(head if i == 0 else [""] * len(head)), *row)
+    return t
+
+
+def consumer_table(snap: Snapshot) -> Table | None:
+    rows = [(s.name, g.name, c) for s in snap.streams.values() for g in s.groups for c in g.consumer_list]
+    if not rows:
+        return None
+    t = Table(title="consumers", title_justify="left")
+    for col in ("stream", "group", "consumer", "pending", "idle"):
+        t.add_column(col, justify="right" if col in ("pending", "idle") else "left")
+    for stream, group, c in rows:
+        t.add_row(stream, group, c.name, str(c.pending), _secs(c.idle_s))
+    return t
+
+
+def worker_table(snap: Snapshot) -> Table:
+    t = Table(title=f"live workers: {len(snap.workers)}", title_justify="left")
+    for col in ("stage", "consumer", "host", "pid", "handled", "heartbeat age"):
+        t.add_column(col, justify="right" if col in ("pid", "handled", "heartbeat age") else "left")
+    for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
+        t.add_row(w.stage, w.consumer, w.host, str(w.pid), str(w.handled), _secs(w.age_s))
+    return t
+
+
+def render(snap: Snapshot) -> Group:
+    parts: list[Table | str] = [stream_table(snap)]
+    consumers = consumer_table(snap)
+    if consumers is not None:
+        parts.append(consumers)
+    parts.append(worker_table(snap))
+    color = "red" if snap.dead_letters else "green"
+    parts.append(f"dead letters: [{color}]{snap.dead_letters}[/{color}]   "
+                 "added/s: ≥ ids of the last window still queued; exact rates show with --watch")
+    return Group(*parts)
+
+
+def _streams(args: argparse.Namespace) -> list[str]:
+    return list(dict.fromkeys(args.streams)) if args.streams else list(STREAMS)
+
+
+async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
+    prev: Snapshot | None = None
+    n = 0
+    live: Live | None = None if args.json else Live(console=console, auto_refresh=False)
+    try:
+        if live is not None:
+            live.start()
+        while args.refreshes is None or n < args.refreshes:
+            snap = with_rates(prev, await collect(redis, keys, _streams(args), window_s=args.window))
+            if live is not None:
+                live.update(render(snap), refresh=True)
+            else:
+                print(json.dumps(snap.to_json()), flush=True)
+            prev, n = snap, n + 1
+            if args.refreshes is None or n < args.refreshes:
+                await asyncio.sleep(max(0.05, args.watch))
+    finally:
+        if live is not None:
+            live.stop()
+    return 0
+
+
+async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
+    snap = await collect(redis, keys, _streams(args), window_s=args.window)
+    if args.json:
+        print(json.dumps(snap.to_json(), indent=2))
+    else:
+        console.print(render(snap))
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    console = Console()
+    fn = once if args.watch is None else watch
+    try:
+        return run(with_redis(args, lambda r, k: fn(r, k, args, console)))
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0

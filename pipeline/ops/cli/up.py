@@ -1,0 +1,79 @@
+"""``distillq up``: the stages as supervised local processes (the no-docker ``docker compose up --scale``).
+
+    distillq up --teachers 2 --feeders 1 --rollout 2 \\
+        --teacher-args "--backend vllm --url http://gpu1:8000 --model Qwen/Qwen3-8B --top-k 20" \\
+        --rollout-args "--backend vllm --url http://gpu2:8000 --model Qwen/Qwen3-1.7B"
+
+Crashed workers are restarted with backoff; Ctrl-C (or SIGTERM) stops every process gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from pipeline.ops.cli.common import add_redis_args, redis_settings
+from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
+
+console = Console(stderr=True)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="run N workers of each stage as supervised local processes")
+    p.add_argument("--rollout", type=int, default=0, help="rollout workers")
+    p.add_argument("--teachers", type=int, default=1, help="teacher workers")
+    p.add_argument("--feeders", type=int, default=1, help="feeder workers")
+    p.add_argument("--rollout-args", default="", help="extra flags for each rollout worker (one string)")
+    p.add_argument("--teacher-args", default="", help="extra flags for each teacher worker")
+    p.add_argument("--feeder-args", default="", help="extra flags for each feeder")
+    p.add_argument("--log-dir", type=Path, default=Path("distillq-logs"))
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: run)")
+    add_redis_args(p)
+    p.set_defaults(func=main)
+
+
+def specs(args: argparse.Namespace) -> list[ProcSpec]:
+    out: list[ProcSpec] = []
+    for stage, n, extra in (("rollout", args.rollout, args.rollout_args), ("teacher", args.teachers, args.teacher_args),
+                            ("feeder", args.feeders, args.feeder_args)):
+        for i in range(n):
+            argv = distillq_argv("worker", stage, *shlex.split(extra), "--consumer-name", f"{stage}-{i}")
+            out.append(ProcSpec(f"{stage}-{i}", argv))
+    return out
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    rs = redis_settings(args)
+    procs = specs(args)
+    if not procs:
+        console.print("nothing to run: give --rollout, --teachers or --feeders")
+        return 2
+    env = {"DISTILLQ_REDIS_URL": rs.redis_url, "DISTILLQ_NAMESPACE": rs.namespace}
+    sup = Supervisor(procs, args.log_dir, base_env=env)
+    signal.signal(signal.SIGTERM, _stop)
+    sup.start()
+    console.print(f"started {len(procs)} worker(s): {', '.join(p.name for p in procs)}; logs in {args.log_dir}/")
+    t0 = time.monotonic()
+    try:
+        while args.duration is None or time.monotonic() - t0 < args.duration:
+            codes = sup.poll()
+            if all(c is not None for c in codes.values()):
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("stopping...")
+    finally:
+        sup.stop()
+    failed = {p.spec.name: p.exit_code for p in sup.procs if p.exit_code not in (None, 0)}
+    console.print("stopped" + (f"; exited with errors: {failed}" if failed else ""))
+    return 1 if failed else 0

@@ -1,0 +1,291 @@
+"""Numbers behind ``distillq stats``: one snapshot of every stage stream, its consumer group and workers.
+
+``collect`` reads Redis (XINFO, XPENDING, MEMORY USAGE, heartbeat keys); everything else is pure.
+Times come from the Redis server clock (stream ids use it too), so client clock skew does not matter.
+
+Throughput comes from two sources:
+
+* ``added_in_window``: ids newer than ``window_s`` still in the stream (counted server-side, capped).
+  Exact for the DLQ; a lower bound for stage streams, whose entries are deleted once acknowledged.
+* ``added_per_s`` / ``read_per_s``: deltas of the stream's ``entries-added`` and the group's
+  ``entries-read`` counters between two snapshots (``with_rates``; ``--watch`` shows them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys
+from pipeline.transport.sharding import get_shards
+
+#: Most ids counted in the throughput window (the count runs inside Redis, no payload is sent).
+WINDOW_CAP: Final = 100_000
+
+# [exists, entries-added, last-generated-id, ids newer than ARGV[1] (at most ARGV[2])]
+_STREAM_INFO: Final = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, '0-0', 0} end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local added, last = 0, '0-0'
+for i = 1, #info, 2 do
+  if info[i] == 'entries-added' then added = info[i + 1] end
+  if info[i] == 'last-generated-id' then last = info[i + 1] end
+end
+local window = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+return {1, added, last, #window}
+"""
+
+
+@dataclass(slots=True)
+class ConsumerStats:
+    name: str
+    pending: int
+    idle_s: float  # since the consumer's last read or claim
+    inactive_s: float | None = None  # since its last successful read (Redis >= 7.2)
+
+
+@dataclass(slots=True)
+class GroupStats:
+    name: str
+    exists: bool = False
+    consumers: int = 0
+    pending: int = 0  # delivered, not yet acknowledged
+    lag: int = 0  # never delivered to the group
+    lag_estimated: bool = False  # Redis could not tell; estimated as length - pending
+    last_delivered_id: str = "0-0"
+    entries_read: int | None = None
+    oldest_pending_id: str | None = None
+    oldest_pending_age_s: float | None = None  # since the entry was added
+    oldest_pending_idle_s: float | None = None  # since it was last delivered
+    read_per_s: float | None = None
+    consumer_list: list[ConsumerStats] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamStats:
+    name: str
+    key: str
+    exists: bool = False
+    length: int = 0
+    memory_bytes: int = 0
+    entries_added: int = 0  # ever, including deleted entries
+    last_id: str = "0-0"
+    window_s: float = 60.0
+    added_in_window: int = 0
+    window_capped: bool = False
+    added_per_s: float | None = None  # from an earlier snapshot, see ``with_rates``
+    groups: list[GroupStats] = field(default_factory=list)
+
+    @property
+    def window_rate(self) -> float:
+        """Ids per second in the window (a lower bound for consumed streams)."""
+        return self.added_in_window / self.window_s if self.window_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    stage: str
+    consumer: str
+    host: str = ""
+    pid: int = 0
+    handled: int = 0
+    age_s: float | None = None  # since the last heartbeat
+    started: float | None = None
+
+
+@dataclass(slots=True)
+class Snapshot:
+    namespace: str
+    time: float  # Redis server time, seconds
+    streams: dict[str, StreamStats]
+    dead_letters: int
+    workers: list[WorkerStats]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for name, s in self.streams.items():
+            out["streams"][name]["window_rate"] = round(s.window_rate, 3)
+        return out
+
+
+def id_ms(entry_id: str) -> int:
+    """Milliseconds part of a stream id (``1700000000000-3`` -> ``1700000000000``)."""
+    return int(entry_id.split("-", 1)[0])
+
+
+def _str(v: object) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def _int_or_none(v: object) -> int | None:
+    return None if v is None else int(v)  # type: ignore[call-overload]
+
+
+def parse_group(raw: dict[str, Any], length: int) -> GroupStats:
+    """One XINFO GROUPS row. ``lag`` is nil in Redis when it cannot be computed; then ``length - pending``
+    (exact when acknowledged entries are deleted, as every distillq stage does)."""
+    pending = int(raw.get("pending", 0))
+    lag = raw.get("lag")
+    g = GroupStats(
+        name=_str(raw["name"]), exists=True, consumers=int(raw.get("consumers", 0)), pending=pending,
+        last_delivered_id=_str(raw.get("last-delivered-id", "0-0")), entries_read=_int_or_none(raw.get("entries-read")),
+    )
+    if g.entries_read is None and g.last_delivered_id == "0-0":
+        g.entries_read = 0  # nothing read yet (Redis reports nil)
+    if lag is None:
+        g.lag, g.lag_estimated = max(0, length - pending), True
+    else:
+        g.lag = int(lag)
+    return g
+
+
+def parse_consumer(raw: dict[str, Any]) -> ConsumerStats:
+    inactive = raw.get("inactive")
+    return ConsumerStats(
+        name=_str(raw["name"]), pending=int(raw.get("pending", 0)), idle_s=int(raw.get("idle", 0)) / 1000,
+        inactive_s=None if inactive is None or int(inactive) < 0 else int(inactive) / 1000,
+    )
+
+
+def parse_heartbeat(keys: Keys, key: str, raw: bytes | None, now: float) -> WorkerStats | None:
+    """A heartbeat key (``{ns}:health:<stage>:<consumer>``) and its JSON value; None if unreadable."""
+    prefix = f"{keys.namespace}:health:"
+    if raw is None or not key.startswith(prefix):
+        return None
+    stage, _, consumer = key[len(prefix):].partition(":")
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(info, dict):
+        return None
+    ts = info.get("ts")
+    return WorkerStats(
+        stage=str(info.get("stage", stage)), consumer=consumer, host=str(info.get("host", "")),
+        pid=int(info.get("pid", 0) or 0), handled=int(info.get("handled", 0) or 0),
+        age_s=None if ts is None else round(max(0.0, now - float(ts)), 3),
+        started=None if info.get("started") is None else float(info["started"]),
+    )
+
+
+def with_rates(prev: Snapshot | None, cur: Snapshot) -> Snapshot:
+    """Fill ``added_per_s`` and ``read_per_s`` of ``cur`` from counter deltas since ``prev``."""
+    if prev is None or cur.time <= prev.time:
+        return cur
+    dt = cur.time - prev.time
+    for name, s in cur.streams.items():
+        before = prev.streams.get(name)
+        if before is None or not before.exists or not s.exists:
+            continue
+        s.added_per_s = max(0, s.entries_added - before.entries_added) / dt
+        old = {g.name: g for g in before.groups}
+        for g in s.groups:
+            o = old.get(g.name)
+            if o is not None and g.entries_read is not None and o.entries_read is not None:
+                g.read_per_s = max(0, g.entries_read - o.entries_read) / dt
+    return cur
+
+
+async def server_time(redis: aioredis.Redis) -> float:
+    sec, usec = await redis.time()
+    return float(sec) + float(usec) / 1e6
+
+
+async def _group(redis: aioredis.Redis, key: str, g: GroupStats, now: float) -> None:
+    """Add the oldest pending entry and the consumers of an existing group."""
+    if g.pending:
+        rows: Any = await redis.xpending_range(key, g.name, min="-", max="+", count=1)
+        if rows:
+            eid = _str(rows[0]["message_id"])
+            g.oldest_pending_id = eid
+            g.oldest_pending_age_s = round(max(0.0, now - id_ms(eid) / 1000), 3)
+            g.oldest_pending_idle_s = int(rows[0]["time_since_delivered"]) / 1000
+    consumers: Any = await redis.xinfo_consumers(key, g.name)
+    g.consumer_list = [parse_consumer(c) for c in consumers]
+
+
+async def stream_stats(
+    redis: aioredis.Redis, keys: Keys, name: str, now: float, *, window_s: float = 60.0, cap: int = WINDOW_CAP,
+    shard: int | None = None, shards: int = 1,
+) -> StreamStats:
+    key = keys.stream(name, shard, shards)
+    s = StreamStats(name=name if shard is None else f"{name}:{shard}", key=key, window_s=window_s)
+    since = f"{max(0, int((now - window_s) * 1000))}-0"
+    script = redis.register_script(_STREAM_INFO)
+    exists, added, last, in_window = await script(keys=[key], args=[since, cap])
+    if exists:
+        s.exists, s.entries_added, s.last_id = True, int(added), _str(last)
+        s.added_in_window, s.window_capped = int(in_window), int(in_window) >= cap
+        s.length = int(await redis.xlen(key))
+        s.memory_bytes = int(await redis.memory_usage(key) or 0)
+        try:
+            raw_groups: Any = await redis.xinfo_groups(key)
+        except ResponseError:  # deleted in between
+            raw_groups = []
+        s.groups = [parse_group(raw, s.length) for raw in raw_groups]
+        for g in s.groups:
+            await _group(redis, key, g, now)
+    expected = CONSUMER_GROUPS.get(name)
+    if expected is not None and all(g.name != expected for g in s.groups):
+        s.groups.insert(0, GroupStats(name=expected, lag=s.length))  # not created yet: all of it is lag
+    return s
+
+
+async def workers(redis: aioredis.Redis, keys: Keys, now: float) -> list[WorkerStats]:
+    names = sorted({_str(k) async for k in redis.scan_iter(match=keys.heartbeat_pattern(), count=500)})
+    if not names:
+        return []
+    async with redis.pipeline(transaction=False) as p:  # not MGET: heartbeats span slots on a cluster
+        for n in names:
+            p.get(n)
+        values = await p.execute()
+    found = (parse_heartbeat(keys, n, v, now) for n, v in zip(names, values, strict=True))
+    return [w for w in found if w is not None]
+
+
+def total_of(name: str, parts: list[StreamStats]) -> StreamStats:
+    """One row summing the shards of a stream (groups merged by name)."""
+    t = StreamStats(name=name, key=f"({len(parts)} shards)", window_s=parts[0].window_s)
+    t.exists = any(p.exists for p in parts)
+    t.length = sum(p.length for p in parts)
+    t.memory_bytes = sum(p.memory_bytes for p in parts)
+    t.entries_added = sum(p.entries_added for p in parts)
+    t.added_in_window = sum(p.added_in_window for p in parts)
+    t.window_capped = any(p.window_capped for p in parts)
+    merged: dict[str, GroupStats] = {}
+    for p in parts:
+        for g in p.groups:
+            m = merged.setdefault(g.name, GroupStats(name=g.name, lag=0))
+            m.lag = (m.lag or 0) + (g.lag or 0)
+            m.pending += g.pending
+            m.exists = m.exists or g.exists
+            m.consumers = max(m.consumers, g.consumers)
+            ages = [a for a in (m.oldest_pending_age_s, g.oldest_pending_age_s) if a is not None]
+            m.oldest_pending_age_s = max(ages) if ages else None
+            m.consumer_list += g.consumer_list
+    t.groups = list(merged.values())
+    return t
+
+
+async def collect(
+    redis: aioredis.Redis, keys: Keys, streams: list[str], *, window_s: float = 60.0, cap: int = WINDOW_CAP
+) -> Snapshot:
+    """One snapshot of ``streams`` (short names), the DLQ length and the live workers."""
+    now = await server_time(redis)
+    shards = await get_shards(redis, keys)
+    out: dict[str, StreamStats] = {}
+    for n in streams:
+        if shards > 1 and n in SHARDABLE:
+            parts = [await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap, shard=i, shards=shards)
+                     for i in range(shards)]
+            out[n] = total_of(n, parts)
+            out.update((p.name, p) for p in parts)
+        else:
+            out[n] = await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap)
+    dead = out["dlq"].length if "dlq" in out else int(await redis.xlen(keys.dlq))
+    return Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
+                    workers=await workers(redis, keys, now))

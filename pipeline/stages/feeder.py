@@ -1,0 +1,309 @@
+"""Trainer-feeder worker: scored groups in, train batches out (Redis I/O around ``pipeline.stages.batching``).
+
+The feeder reads only the headers of scored entries (``pipeline.transport.claimcheck``) and writes batches by
+reference (``BatchManifest``); it never fetches, decodes or re-writes a group's payload, which stays in
+its key until the learner acknowledges the batch. An entry written inline (a writer from before the
+claim check) is validated and its payload moved to a key first.
+
+Scored entries stay pending (their leases renewed) until the batch holding their group is written;
+only then are they acknowledged. A crash therefore loses nothing: a restarted feeder gets them again,
+and the batches stream's per-group dedupe keeps any group from reaching the learner twice. Stale
+groups are acknowledged and counted, never trained on. The KL controller's state is written to Redis
+after each batch so a restarted feeder continues where the last one stopped.
+
+Before a batch is written, its groups' entries are checked to be still pending to this feeder: a Redis
+restarted from an AOF without its last second (a host crash under ``appendfsync everysec``) may not have
+them, nor their payload keys (docs/reliability.md, section 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+from prometheus_client import Counter, Gauge, Histogram
+
+from pipeline import metrics
+from pipeline.config import StreamSettings
+from pipeline.stages.batching import BatchingConfig, Pending, admit, build_batch, take_batch
+from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, load_controller
+from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name, renew_leases
+from pipeline.transport.claimcheck import decode_header, header_of
+from pipeline.transport.connection import TRANSIENT, Backoff, retry_transient
+from pipeline.transport.consumer import Delivery
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import (
+    F_REF,
+    AddResult,
+    BackpressureTimeout,
+    MessageTooLarge,
+    ProducerStopped,
+    StreamProducer,
+)
+from pipeline.transport.sharding import ShardedConsumer, make_consumer
+from schemas import DecodeError, GroupHeader, ScoredGroup, decode
+
+log = structlog.get_logger("distillq.feeder")
+
+VERSION_REFRESH_S = 0.02
+
+BATCHES: Counter = Counter("distillq_feeder_batches_total", "train batches written")
+DROPPED: Counter = Counter("distillq_feeder_dropped_groups_total", "groups not batched", ["reason"])
+BATCH_TOKENS: Histogram = Histogram("distillq_feeder_batch_tokens", "tokens per batch",
+                                    buckets=(1e3, 4e3, 1.6e4, 6.4e4, 2.6e5, 1e6))
+PADDING: Gauge = Gauge("distillq_feeder_padding_fraction", "padding fraction of the last batch")
+REVERSE_KL: Gauge = Gauge("distillq_feeder_reverse_kl", "mean sampled-token reverse KL of the last batch")
+NO_DISTILL: Gauge = Gauge("distillq_feeder_no_distill_share", "share of groups without teacher payload")
+KL_COEF: Gauge = Gauge("distillq_feeder_kl_coef", "current KL coefficient")
+STALENESS: Histogram = Histogram("distillq_feeder_staleness_versions", "policy versions behind, per group",
+                                 buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+
+
+@dataclass
+class FeederState:
+    buffer: list[Pending] = field(default_factory=list)
+    policy_version: int = 0
+    stats: RunStats = field(default_factory=RunStats)
+
+
+class Feeder:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        cfg: BatchingConfig,
+        controller: ConstantKL | AdaptiveKL,
+        settings: StreamSettings | None = None,
+        *,
+        consumer_name: str | None = None,
+        max_buffered_groups: int = 1024,
+        shards: int = 1,
+        assigned: Sequence[int] | None = None,
+    ) -> None:
+        self.redis, self.keys, self.cfg = redis, keys, cfg
+        self.settings = s = settings or StreamSettings()
+        self.controller = controller
+        self.name = consumer_name or default_consumer_name("feeder")
+        self.consumer = make_consumer(redis, keys, "scored", self.name, s, stage="feeder", shards=shards,
+                                      assigned=assigned, resolve_payloads=False)
+        self.producer = StreamProducer(redis, keys, "batches", s)
+        self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s)
+        self.max_buffered = max_buffered_groups
+        self.state = FeederState()
+        self.limits = s.limits()
+        self._version_read_at = float("-inf")
+
+    async def restore_controller(self) -> None:
+        """Continue from the KL controller state stored in Redis, if any."""
+        raw = await self.redis.get(self.keys.kl_state)
+        if raw is None:
+            return
+        try:
+            stored = load_controller(raw)
+        except ValueError as e:
+            log.error("kl_state_invalid", error=str(e))
+            return
+        if isinstance(stored, AdaptiveKL) and isinstance(self.controller, AdaptiveKL):
+            # Continue from the learned coefficient; the configured target and horizon win over stored ones.
+            stored.target, stored.horizon = self.controller.target, self.controller.horizon
+            self.controller = stored
+            log.info("kl_state_restored", controller=repr(stored))
+        elif isinstance(stored, ConstantKL) and isinstance(self.controller, ConstantKL):
+            log.info("kl_state_ignored", reason="constant coefficient: the configured value applies",
+                     stored=stored.value, configured=self.controller.value)
+
+    async def run(self, stop: asyncio.Event, *, burst: bool = False, max_batches: int | None = None) -> RunStats:
+        s = self.settings
+        await retry_transient(self.consumer.ensure_group, stop=stop)
+        await retry_transient(self.restore_controller, stop=stop)
+        hb = asyncio.create_task(self.heartbeat.run(stop, self.state.stats))
+        lease = asyncio.create_task(renew_leases(self.consumer, s.claim_idle_ms, "feeder"))
+        backoff = Backoff()
+        written = 0
+        log.info("feeder_started", consumer=self.name, config=self.cfg)
+        try:
+            while not stop.is_set() and (max_batches is None or written < max_batches):
+                free = self.max_buffered - len(self.state.buffer)
+                try:
+                    want = min(free, s.read_count)
+                    got = await self.consumer.read(want, block_ms=min(s.block_ms, 250)) if want else []
+                    backoff.reset()
+                except TRANSIENT as e:
+                    metrics.REDIS_ERRORS.labels("feeder").inc()
+                    await _sleep(stop, backoff.next_delay(), e)
+                    continue
+                # Entries read are ours now: nothing may fail between here and their admission, or they
+                # would sit in ``owned`` (their leases renewed, skipped by reclaim) and never be batched.
+                await self._refresh_version()
+                for d in got:
+                    await self._admit(d)
+                drained = burst and not got and await self._input_drained()
+                while (items := take_batch(self.state.buffer, self.cfg, flush=drained)) is not None:
+                    if not await self._write(items, stop):
+                        break
+                    written += 1
+                    if max_batches is not None and written >= max_batches:
+                        break
+                if drained and not self.state.buffer:
+                    break
+        finally:
+            hb.cancel()
+            lease.cancel()
+            await asyncio.gather(hb, lease, return_exceptions=True)
+            # Buffered groups stay pending (unacked): a restarted feeder gets them again.
+            await self.heartbeat.clear()
+            log.info("feeder_stopped", batches=written, buffered=len(self.state.buffer),
+                     outcomes=dict(self.state.stats.outcomes))
+        return self.state.stats
+
+    async def _input_drained(self) -> bool:
+        return await self.consumer.backlog() == len(self.state.buffer)
+
+    async def _refresh_version(self) -> None:
+        """Read the learner's policy version, at most every ``VERSION_REFRESH_S`` (staleness is counted in
+        versions, each at least one optimiser step apart: a few ms of lag cannot matter). Never raises: on a
+        Redis error the last version read stays."""
+        now = time.monotonic()
+        if now - self._version_read_at < VERSION_REFRESH_S:
+            return
+        self._version_read_at = now
+        try:
+            raw = await self.redis.get(self.keys.policy_version)
+        except TRANSIENT:  # keep the last version read; the next read retries
+            metrics.REDIS_ERRORS.labels("feeder").inc()
+            return
+        if raw is not None:
+            with contextlib.suppress(ValueError):
+                self.state.policy_version = int(raw)
+
+    async def _admit(self, d: Delivery) -> None:
+        try:
+            h, key = await self._header(d)
+        except DecodeError as e:
+            metrics.DECODE_ERRORS.labels("feeder").inc()
+            reason = f"decode_error: {e}"
+            await retry_transient(functools.partial(self.consumer.dead_letter, d, reason), deadline_s=60)
+            self._count("dead_letter")
+            return
+        STALENESS.observe(max(0, self.state.policy_version - h.policy_version))
+        why = admit(h, self.state.policy_version, self.cfg)
+        if why is not None:
+            DROPPED.labels(why.split("_", 2)[0] if why.startswith("no_distill") else why).inc()
+            log.info("group_not_batched", group_id=h.group_id, reason=why,
+                     group_version=h.policy_version, current_version=self.state.policy_version)
+            await retry_transient(lambda: self.consumer.ack([d]), deadline_s=60)  # payload deleted with it
+            self._count(why)
+            return
+        self.state.buffer.append(Pending(d.entry_id, h, key, ref=d))
+
+    async def _header(self, d: Delivery) -> tuple[GroupHeader, str]:
+        """The entry's header and payload key; an inline entry is validated and its payload moved to a key."""
+        if d.header is not None:
+            h, key = decode_header(d.header), d.payload_key
+            if key is None:
+                raise DecodeError("p", "claim-checked entry without a payload key")
+            if h.group_id != d.group_id:
+                raise DecodeError("h.group_id", f"{h.group_id!r} != entry group id {d.group_id!r}")
+            return h, key
+        g = decode(d.payload, self.limits, expect=ScoredGroup)
+        c = self.consumer
+        stream_key = c.parts[d.shard].key if isinstance(c, ShardedConsumer) else c.key
+        key = self.keys.payload(stream_key, g.group_id, f"e{d.entry_id}")  # one key per entry: retries reuse it
+        await retry_transient(functools.partial(self.redis.set, key, d.payload), deadline_s=60)
+        d.fields[F_REF] = key.encode()
+        return header_of(g, len(d.payload)), key
+
+    async def _write(self, items: list[Pending], stop: asyncio.Event) -> bool:
+        """Write one batch, then ack its groups' entries. False if stopped while waiting for capacity."""
+        items[:] = await self._still_ours(items)
+        while items:
+            built = build_batch(items, self.controller.value, self.state.policy_version, self.cfg)
+            try:
+                added = await self.producer.send(built.batch, stop=stop)
+            except ProducerStopped:
+                self.state.buffer[:0] = items  # back in front, still pending
+                return False
+            except BackpressureTimeout as e:  # the learner is stalled: keep waiting, lose nothing
+                log.error("learner_stalled", error=str(e), buffered=len(self.state.buffer) + len(items))
+                continue
+            except MessageTooLarge as e:
+                if len(items) > 1:  # split: the second half goes back to the front of the buffer
+                    self.state.buffer[:0] = items[len(items) // 2 :]
+                    del items[len(items) // 2 :]
+                    continue
+                await self.consumer.dead_letter(items[0].ref, f"batch_too_large: {e}")
+                self._count("dead_letter")
+                return True
+            if added.result is AddResult.ADDED:
+                break
+            dup = items.pop(added.duplicate_index)  # already in an earlier batch: never twice
+            log.warning("group_already_batched", group_id=dup.group_id, batch_entry=added.entry_id)
+            await self.consumer.ack([dup.ref], keep_payloads=True)  # the earlier batch references the payload
+            self._count("already_batched")
+        if not items:
+            return True
+        missed = await retry_transient(lambda: self.consumer.ack(built.refs, keep_payloads=True), deadline_s=60)
+        if missed:
+            await self._unbatch(items, missed, added.entry_id)
+        if built.observed_kl is not None and isinstance(self.controller, AdaptiveKL):  # a constant never changes
+            self.controller.update(built.observed_kl, n_steps=1)
+            await retry_transient(lambda: self.redis.set(self.keys.kl_state, self.controller.to_json()), deadline_s=60)
+        self._observe(built.batch.stats or {})
+        self._count("batched", len(items))
+        return True
+
+    async def _still_ours(self, items: list[Pending]) -> list[Pending]:
+        """The items whose scored entries are still pending to us; the rest were lost by a Redis restart
+        that rolled back to an older state (``StreamConsumer.still_pending``): batching one would hand the
+        learner a payload key that may not exist. The teacher writes such a group again from its rollout."""
+        alive = {id(d) for d in await retry_transient(
+            lambda: self.consumer.still_pending([i.ref for i in items]), deadline_s=60)}
+        gone = [i for i in items if id(i.ref) not in alive]
+        if gone:
+            log.warning("scored_entries_gone", reason="Redis restarted without them (rolled back)",
+                        groups=[i.group_id for i in gone], entries=[i.entry_id for i in gone])
+            self._count("entry_gone", len(gone))
+        return [i for i in items if id(i.ref) in alive]
+
+    async def _unbatch(self, items: list[Pending], missed: list[Delivery], batch_entry: str) -> None:
+        """Redis rolled back while the batch was being written (the write was retried on the restarted
+        server): the groups whose entries are gone are in the batch, but their payload keys may be too.
+        Their dedupe markers are cleared so that the copies the teacher writes again get batched; the
+        learner dead-letters a reference whose key is gone (``payload_missing``) and receives the copy."""
+        gone = {id(d) for d in missed}
+        groups = [i.group_id for i in items if id(i.ref) in gone]
+        if not groups:
+            return
+        await retry_transient(lambda: self.redis.delete(*(self.keys.seen("batches", g) for g in groups)),
+                              deadline_s=60)
+        log.error("batched_entries_gone", reason="Redis restarted without them (rolled back) during the write",
+                  groups=groups, batch_entry=batch_entry)
+        self._count("entry_gone_after_batching", len(groups))
+
+    def _observe(self, stats: dict[str, float]) -> None:
+        BATCHES.inc()
+        BATCH_TOKENS.observe(stats.get("tokens", 0.0))
+        PADDING.set(stats.get("padding_fraction", 0.0))
+        NO_DISTILL.set(stats.get("no_distill_share", 0.0))
+        KL_COEF.set(self.controller.value)
+        if "reverse_kl" in stats:
+            REVERSE_KL.set(stats["reverse_kl"])
+        log.info("batch_written", **{k: round(v, 5) for k, v in stats.items()})
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.state.stats.handled += n
+        self.state.stats.outcomes[outcome] += n
+        metrics.STAGE_MESSAGES.labels("feeder", outcome).inc(n)
+
+
+
+async def _sleep(stop: asyncio.Event, delay: float, error: BaseException) -> None:
+    log.warning("redis_unavailable", stage="feeder", error=str(error), retry_in=round(delay, 2))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)

@@ -1,0 +1,375 @@
+"""The run loop every consuming stage shares.
+
+Shape: a stop ``asyncio.Event``; reads never ask for more than the free in-flight slots; each read
+batch is handled by the stage's pure logic (``StageLogic.handle``) in its own task; outputs are
+written (idempotently, with backpressure) before inputs are acknowledged; a heartbeat key shows
+health; on stop, reading ends, in-flight work gets ``shutdown_grace_s`` to finish, and whatever is
+still running is cancelled and stays pending for another consumer to reclaim.
+
+Failure handling: an undecodable entry goes to the DLQ at once; an exception in stage logic leaves
+the batch pending (it is redelivered after ``claim_idle_ms`` and dead-lettered after
+``max_deliveries``); a transient Redis error backs off and retries; nothing crashes the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import redis.asyncio as aioredis
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from pipeline import metrics
+from pipeline.config import StreamSettings
+from pipeline.transport.connection import TRANSIENT, Backoff, retry_transient
+from pipeline.transport.consumer import Delivery
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import (
+    BackpressureTimeout,
+    MessageTooLarge,
+    ProducerStopped,
+    StreamProducer,
+    is_written,
+)
+from pipeline.transport.sharding import Consumer, make_consumer
+from schemas import DecodeError, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
+
+log = structlog.get_logger("distillq.runloop")
+M_in = TypeVar("M_in", bound=RolloutGroup | ScoredGroup | TrainBatch, contravariant=True)
+M = TypeVar("M", bound=RolloutGroup | ScoredGroup | TrainBatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """Write ``msg`` to the output stream, then acknowledge the input."""
+
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Acknowledge the input without output (counted under ``reason``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Leave the input pending: it is reclaimed later, and dead-lettered after max deliveries."""
+
+    reason: str
+
+
+Outcome = Emit | Ack | DeadLetter | Retry
+
+
+class StageLogic(Protocol[M_in]):
+    """Pure stage logic: no Redis. One outcome per input message, in order."""
+
+    name: str
+
+    async def handle(self, msgs: Sequence[M_in]) -> Sequence[Outcome]: ...
+
+
+@dataclass
+class RunStats:
+    handled: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    started: float = field(default_factory=time.time)
+
+
+def default_consumer_name(stage: str) -> str:
+    return f"{stage}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class Heartbeat:
+    """Writes ``health:<stage>:<consumer>`` with a TTL of three intervals."""
+
+    def __init__(
+        self, redis: aioredis.Redis, key: str, interval_s: float, extra: Callable[[], dict[str, object]] | None = None
+    ) -> None:
+        self.redis, self.key, self.interval_s, self.extra = redis, key, interval_s, extra
+        self.info: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+
+    async def beat(self, **extra: object) -> None:
+        self.info.update(extra, ts=time.time())
+        await self.redis.set(self.key, json.dumps(self.info), px=int(self.interval_s * 3000))
+
+    async def run(self, stop: asyncio.Event, stats: RunStats) -> None:
+        while not stop.is_set():
+            try:
+                report = self.extra() if self.extra is not None else {}
+                await self.beat(handled=stats.handled, outcomes=dict(stats.outcomes), **report)
+            except TRANSIENT:
+                metrics.REDIS_ERRORS.labels("heartbeat").inc()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+
+    async def clear(self) -> None:
+        with contextlib.suppress(*TRANSIENT):
+            await self.redis.delete(self.key)
+
+
+class StageRunner(Generic[M]):
+    """Runs ``logic`` over ``input_stream``, writing outcomes to ``output_stream``."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        logic: StageLogic[M],
+        input_type: type[M],
+        input_stream: str,
+        output_stream: str | None,
+        settings: StreamSettings | None = None,
+        *,
+        consumer_name: str | None = None,
+        shards: int = 1,
+        assigned: Sequence[int] | None = None,
+    ) -> None:
+        self.redis, self.keys, self.logic, self.input_type = redis, keys, logic, input_type
+        self.settings = s = settings or StreamSettings()
+        self.stage = logic.name
+        self.name = consumer_name or default_consumer_name(self.stage)
+        self.consumer = make_consumer(redis, keys, input_stream, self.name, s, stage=self.stage, shards=shards,
+                                      assigned=assigned)
+        self.shards = shards
+        self.producer = StreamProducer(redis, keys, output_stream, s, shards=shards) if output_stream else None
+        self.output_stream = output_stream
+        self.limits = s.limits()
+        self.stats = RunStats()
+        self.heartbeat = Heartbeat(redis, keys.heartbeat(self.stage, self.name), s.heartbeat_interval_s,
+                                   getattr(logic, "report", None))
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slot_freed = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event, *, burst: bool = False, max_messages: int | None = None) -> RunStats:
+        """Consume until ``stop`` is set (or, with ``burst``, until the input is drained)."""
+        s = self.settings
+        await retry_transient(self.consumer.ensure_group, stop=stop)
+        log.info("stage_started", stage=self.stage, consumer=self.name, stream=self.consumer.stream, burst=burst)
+        hb = asyncio.create_task(self.heartbeat.run(stop, self.stats))
+        lease = asyncio.create_task(renew_leases(self.consumer, s.claim_idle_ms, self.stage))
+        backoff = Backoff()
+        try:
+            while not stop.is_set():
+                if max_messages is not None and self.stats.handled + self._in_flight >= max_messages:
+                    if not self._in_flight:
+                        break
+                    await self._wait_slot(stop)
+                    continue
+                free = s.max_in_flight - self._in_flight
+                if free <= 0:
+                    await self._wait_slot(stop)
+                    continue
+                want = min(free, s.read_count)
+                if max_messages is not None:
+                    want = min(want, max_messages - self.stats.handled - self._in_flight)
+                try:
+                    batch = await self.consumer.read(want, block_ms=min(s.block_ms, 200) if burst else None)
+                    backoff.reset()
+                except TRANSIENT as e:
+                    metrics.REDIS_ERRORS.labels(self.stage).inc()
+                    delay = backoff.next_delay()
+                    log.warning("redis_unavailable", stage=self.stage, error=str(e), retry_in=round(delay, 2))
+                    await _sleep_or_stop(stop, delay)
+                    continue
+                if batch:
+                    self._spawn(batch, stop)
+                elif burst and not self._in_flight and await self._drained(stop):
+                    break
+        finally:
+            await self._shutdown(stop)
+            hb.cancel()
+            lease.cancel()
+            await asyncio.gather(hb, lease, return_exceptions=True)
+            await self.heartbeat.clear()
+            log.info("stage_stopped", stage=self.stage, consumer=self.name, handled=self.stats.handled,
+                     outcomes=dict(self.stats.outcomes))
+        return self.stats
+
+    async def _drained(self, stop: asyncio.Event) -> bool:
+        try:
+            return await self.consumer.pending_count() == 0 and await self.consumer.backlog() == 0
+        except TRANSIENT:
+            return False
+
+    async def _wait_slot(self, stop: asyncio.Event) -> None:
+        self._slot_freed.clear()
+        waiter = asyncio.create_task(stop.wait())
+        slot = asyncio.create_task(self._slot_freed.wait())
+        await asyncio.wait({waiter, slot}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        slot.cancel()
+
+    def _spawn(self, batch: list[Delivery], stop: asyncio.Event) -> None:
+        self._in_flight += len(batch)
+        metrics.IN_FLIGHT.labels(self.stage).set(self._in_flight)
+        task = asyncio.create_task(self._process(batch, stop))
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            self._in_flight -= len(batch)
+            metrics.IN_FLIGHT.labels(self.stage).set(self._in_flight)
+            self._slot_freed.set()
+            if not t.cancelled() and t.exception() is not None:
+                log.error("batch_failed", stage=self.stage, exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    async def _process(self, batch: list[Delivery], stop: asyncio.Event) -> None:
+        try:
+            await self._process_batch(batch, stop)
+        finally:
+            self.consumer.release(batch)  # whatever was not acked stays pending, reclaimable
+
+    async def _process_batch(self, batch: list[Delivery], stop: asyncio.Event) -> None:
+        t0 = time.perf_counter()
+        todo = await self._skip_already_emitted(batch)
+        good: list[tuple[Delivery, M]] = []
+        for d in todo:
+            metrics.QUEUE_LAG.labels(self.stage).observe(d.age_s)
+            try:
+                with bound_contextvars(stream=self.consumer.stream, entry_id=d.entry_id, group_id=d.group_id):
+                    good.append((d, decode(d.payload, self.limits, expect=self.input_type)))
+            except DecodeError as e:
+                metrics.DECODE_ERRORS.labels(self.stage).inc()
+                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"))
+                self._count("dead_letter")
+        if good:
+            outcomes = await self._handle(good)
+            if outcomes is None and len(good) > 1:  # isolate the failing message(s)
+                for one in good:
+                    single = await self._handle([one])
+                    if single is not None:
+                        await self._apply([one], single, stop)
+            elif outcomes is not None:
+                await self._apply(good, outcomes, stop)
+        metrics.STAGE_LATENCY.labels(self.stage).observe(time.perf_counter() - t0)
+
+    async def _handle(self, good: list[tuple[Delivery, M]]) -> Sequence[Outcome] | None:
+        """Run the stage logic; ``None`` when it raised (the inputs then stay pending)."""
+        try:
+            outcomes = await self.logic.handle([m for _, m in good])
+            if len(outcomes) != len(good):
+                raise RuntimeError(f"{self.stage} returned {len(outcomes)} outcomes for {len(good)} inputs")
+            return outcomes
+        except Exception:
+            log.exception("stage_logic_failed", stage=self.stage, entries=[d.entry_id for d, _ in good])
+            metrics.STAGE_MESSAGES.labels(self.stage, "error").inc(len(good))
+            self.stats.outcomes["error"] += len(good)
+            return None  # left pending: reclaimed later, dead-lettered after max_deliveries
+
+    async def _skip_already_emitted(self, batch: list[Delivery]) -> list[Delivery]:
+        """Redelivered entries whose output was already written are acked without work."""
+        if self.producer is None or not any(d.reclaimed for d in batch):
+            return batch
+        redo = [d for d in batch if d.reclaimed]
+        keys = [self.keys.seen(self.producer.stream, d.group_id, self.shards) for d in redo]
+        async with self.redis.pipeline(transaction=False) as p:
+            for k in keys:
+                p.get(k)
+            seen = await p.execute()
+        # A pending reservation is not a write: its writer may have died before XADD (handled below).
+        done = [d for d, s in zip(redo, seen, strict=True) if is_written(s)]
+        if done:
+            await self.consumer.ack(done)
+            self._count("already_emitted", len(done))
+        return [d for d in batch if all(d is not x for x in done)]
+
+    async def _apply(self, good: list[tuple[Delivery, M]], outcomes: Sequence[Outcome], stop: asyncio.Event) -> None:
+        acks: list[Delivery] = []
+        for (d, _), o in zip(good, outcomes, strict=True):
+            with bound_contextvars(stream=self.consumer.stream, entry_id=d.entry_id, group_id=d.group_id,
+                                   deliveries=d.deliveries):
+                if not await self._apply_one(d, o, acks, stop):
+                    break  # stopped while waiting for capacity: the rest stay pending for another consumer
+        if acks:
+            await self._bookkeep(lambda: self.consumer.ack(acks))
+
+    async def _apply_one(self, d: Delivery, o: Outcome, acks: list[Delivery], stop: asyncio.Event) -> bool:
+        """Carry out one outcome; acks are collected in ``acks``. False if stopped while waiting."""
+        if isinstance(o, Emit):
+            if self.producer is None:
+                raise RuntimeError(f"{self.stage} emitted but has no output stream")
+            while True:
+                try:
+                    # The reservation is named after the input entry: a redelivery after a crash between
+                    # reservation and write resumes it instead of waiting for it to expire.
+                    await self.producer.send(o.msg, stop=stop, token=f"{self.consumer.stream}:{d.shard}:{d.entry_id}")
+                    break
+                except ProducerStopped:
+                    return False
+                except BackpressureTimeout as e:  # downstream stalled: keep the input (leased), keep waiting
+                    log.error("downstream_full", stage=self.stage, error=str(e))
+                except MessageTooLarge as e:
+                    await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"output_too_large: {e}"))
+                    self._count("dead_letter")
+                    return True
+            log.debug("emitted", stage=self.stage)
+            acks.append(d)
+            self._count("emitted")
+        elif isinstance(o, Ack):
+            acks.append(d)
+            self._count(o.reason)
+        elif isinstance(o, DeadLetter):
+            await self._bookkeep(functools.partial(self.consumer.dead_letter, d, o.reason))
+            self._count("dead_letter")
+        else:
+            self._count("retry")
+        return True
+
+    async def _bookkeep(self, op: Callable[[], Awaitable[object]]) -> None:
+        """Acks and dead letters: shielded from cancellation and retried over Redis outages."""
+        await asyncio.shield(retry_transient(op, deadline_s=max(30.0, self.settings.shutdown_grace_s)))
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.stats.handled += n
+        self.stats.outcomes[outcome] += n
+        metrics.STAGE_MESSAGES.labels(self.stage, outcome).inc(n)
+
+    async def _shutdown(self, stop: asyncio.Event) -> None:
+        if not self._tasks:
+            return
+        grace = self.settings.shutdown_grace_s
+        log.info("draining", stage=self.stage, in_flight=self._in_flight, grace_s=grace)
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            log.warning("cancelled_in_flight", stage=self.stage, batches=len(pending))
+
+
+async def renew_leases(consumer: Consumer, claim_idle_ms: int, stage: str) -> None:
+    """Keep a consumer's in-flight entries from looking idle (so nobody reclaims them) while slow work
+    runs: resets their idle time every third of ``claim_idle_ms``. Runs until cancelled."""
+    while True:
+        await asyncio.sleep(claim_idle_ms / 3000)
+        try:
+            await consumer.touch()
+        except TRANSIENT:
+            metrics.REDIS_ERRORS.labels(stage).inc()
+
+
+async def _sleep_or_stop(stop: asyncio.Event, delay: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)

@@ -1,0 +1,44 @@
+"""The teacher-scoring stage: ``Scorer`` results turned into run-loop outcomes, with metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pipeline import metrics
+from pipeline.stages.runloop import DeadLetter, Emit, Outcome
+from pipeline.stages.scoring import Scorer
+from schemas import DistillStatus, RolloutGroup
+
+
+class TeacherStage:
+    """Scores each read batch of groups together. Dropped payloads flow on (or go to the DLQ)."""
+
+    name = "teacher"
+
+    def __init__(self, scorer: Scorer, *, drops_to_dlq: bool = False) -> None:
+        self.scorer = scorer
+        self.drops_to_dlq = drops_to_dlq
+        scorer.stats.latency_hooks.append(metrics.TEACHER_LATENCY.observe)
+
+    def report(self) -> dict[str, object]:
+        """Figures for the heartbeat: groups by status, drops by reason, tokens scored."""
+        st = self.scorer.stats
+        return {"status": dict(st.groups), "drops": dict(st.reasons), "tokens_scored": st.tokens_scored}
+
+    async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
+        t0 = time.perf_counter()
+        scored = await self.scorer.score_groups(list(msgs))
+        out: list[Outcome] = []
+        for s in scored:
+            metrics.TEACHER_GROUPS.labels(s.status.value).inc()
+            if s.status is DistillStatus.OK:
+                metrics.TEACHER_TOKENS.inc(s.group.num_tokens)
+            elif s.status is DistillStatus.DROPPED:
+                metrics.TEACHER_DROPS.labels((s.reason or "unknown").split(":", 1)[0]).inc()
+            if self.drops_to_dlq and s.status is DistillStatus.DROPPED:
+                out.append(DeadLetter(f"teacher_dropped: {s.reason}"))
+            else:
+                out.append(Emit(s))
+        metrics.STAGE_LATENCY.labels("teacher_score").observe(time.perf_counter() - t0)
+        return out

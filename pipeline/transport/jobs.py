@@ -1,0 +1,168 @@
+"""Rollout jobs on arq: the only module that imports arq (0.28, maintenance-only; replaceable here).
+
+* Jobs are (de)serialised with msgpack, never pickle (arq's default).
+* ``enqueue_prompts`` is idempotent per (epoch, prompt id): a marker key set with NX makes
+  re-enqueueing the same id for the same epoch a no-op, also after the job finished; arq's job id
+  guards the window in between.
+* Jobs never raise into arq (its failure records would carry exception objects): a job returns a
+  status dict, and a failure is logged and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+from arq import Worker, create_pool
+from arq.connections import ArqRedis
+from arq.connections import RedisSettings as ArqRedisSettings
+
+from pipeline.config import RedisSettings
+from pipeline.transport.connection import is_cluster_url
+from pipeline.transport.keys import Keys
+
+log = structlog.get_logger("distillq.jobs")
+ROLLOUT_JOB = "rollout"
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder()
+
+
+def _serialize(obj: dict[str, Any]) -> bytes:
+    return _ENC.encode(obj)
+
+
+def _deserialize(data: bytes) -> dict[str, Any]:
+    out: dict[str, Any] = _DEC.decode(data)
+    return out
+
+
+class PromptJob(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of ``distillq enqueue``: a prompt (text or chat messages) and how to roll it out."""
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    answer: str | None = None
+    env_id: int = 0
+    task_id: str = ""
+    group_overrides: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("id must be non-empty")
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' or 'messages' is needed")
+
+
+PROMPT_DECODER = msgspec.json.Decoder(PromptJob)
+
+
+def arq_settings(rs: RedisSettings) -> ArqRedisSettings:
+    url = rs.jobs_redis_url or rs.redis_url
+    if is_cluster_url(url):
+        raise ValueError("the rollout job queue (arq) cannot use Redis Cluster: set DISTILLQ_JOBS_REDIS_URL "
+                         "to a single Redis (the stage streams stay on the cluster)")
+    settings: ArqRedisSettings = ArqRedisSettings.from_dsn(url)
+    return settings
+
+
+def _marker(keys: Keys, epoch: int, prompt_id: str) -> str:
+    return f"{keys.arq_prefix}enqueued:{epoch}:{prompt_id}"
+
+
+async def enqueue_prompts(
+    rs: RedisSettings, keys: Keys, prompts: Sequence[PromptJob], *, epoch: int = 0, marker_ttl_s: int = 30 * 86400
+) -> tuple[int, int]:
+    """Enqueue one rollout job per prompt; returns (enqueued, already present)."""
+    pool: ArqRedis = await create_pool(arq_settings(rs), job_serializer=_serialize, job_deserializer=_deserialize,
+                                       default_queue_name=keys.arq_queue)
+    new = old = 0
+    try:
+        for p in prompts:
+            if not await pool.set(_marker(keys, epoch, p.id), b"1", nx=True, ex=marker_ttl_s):
+                old += 1
+                continue
+            job = await pool.enqueue_job(ROLLOUT_JOB, msgspec.to_builtins(p), epoch,
+                                         _job_id=f"{keys.namespace}:{epoch}:{p.id}", _queue_name=keys.arq_queue)
+            new += job is not None
+            old += job is None
+    finally:
+        await pool.aclose(close_connection_pool=True)
+    return new, old
+
+
+RolloutFn = Callable[[PromptJob, int], Awaitable[str]]
+
+
+@dataclass
+class JobStats:
+    done: int = 0
+    failed: int = 0
+
+
+def build_worker(
+    rs: RedisSettings,
+    keys: Keys,
+    rollout: RolloutFn,
+    *,
+    max_jobs: int = 4,
+    burst: bool = False,
+    job_timeout_s: float = 600,
+    stats: JobStats | None = None,
+) -> Worker:
+    """An arq worker running ``rollout(prompt, epoch)`` for each job (signals are the caller's)."""
+    counters = stats or JobStats()
+
+    async def rollout_job(ctx: dict[str, Any], prompt: dict[str, Any], epoch: int) -> dict[str, Any]:
+        try:
+            job = msgspec.convert(prompt, PromptJob)
+            group_id = await rollout(job, epoch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            counters.failed += 1
+            log.exception("rollout_job_failed", job_id=ctx.get("job_id"), error=str(e))
+            return {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+        counters.done += 1
+        return {"status": "ok", "group_id": group_id}
+
+    rollout_job.__qualname__ = ROLLOUT_JOB
+    from arq.worker import func
+
+    return Worker(
+        functions=[func(rollout_job, name=ROLLOUT_JOB)],
+        redis_settings=arq_settings(rs),
+        queue_name=keys.arq_queue,
+        burst=burst,
+        max_jobs=max_jobs,
+        job_timeout=job_timeout_s,
+        keep_result=0,
+        handle_signals=False,
+        job_serializer=_serialize,
+        job_deserializer=_deserialize,
+        health_check_key=f"{keys.arq_prefix}health",
+        max_tries=3,
+        poll_delay=0.2,
+    )
+
+
+async def run_worker_until(worker: Worker, stop: asyncio.Event, grace_s: float = 30.0) -> None:
+    """Run ``worker`` until it finishes (burst) or ``stop`` is set; in-flight jobs get ``grace_s``."""
+    main = asyncio.create_task(worker.async_run())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({main, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not main.done():
+        worker.allow_pick_jobs = False  # what arq's own graceful handler does: take no new jobs
+        log.info("rollout_worker_draining", grace_s=grace_s, in_flight=len(worker.tasks))
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(not t.done() for t in worker.tasks.values()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)  # arq exposes no completion event; poll its task table briefly
+        main.cancel()
+        await asyncio.gather(main, return_exceptions=True)
+    await worker.close()

@@ -1,0 +1,170 @@
+"""Every Redis key distillq uses, in one place.
+
+All keys live under a namespace (default ``distillq``) so several pipelines share one Redis. Keys that
+one operation touches together share a hash tag (``{...}``, which includes the namespace), so the same
+code runs on Redis Cluster, and each stream shard gets its own slot:
+
+=================================================  ============  ==============================================
+key                                                type          written by / meaning
+=================================================  ============  ==============================================
+``{ns:rollouts}`` (shard i of S>1: ``{ns:rollouts:i~n}``)  stream  rollout workers / producers; read by teachers
+``{ns:scored}`` (``{ns:scored:i}``)                stream        teacher workers; read by the feeder
+``{ns:batches}``                                   stream        feeder; read by the learner (never sharded)
+``{ns:dlq}``                                       stream        any stage: dead letters (stage, reason, bytes)
+``<stream key>:seen:<group id>``                   string (TTL)  producer: dedupe marker -> entry id written
+``<stream key>:reserving``                         zset          producer: writes reserved, not yet done (cap)
+``<scored stream key>:payload:<group id>:<n>``     string        teacher: a scored group's bytes (claim check,
+                                                                 ``transport.claimcheck``); deleted by the learner
+                                                                 client when it acks the batch holding the group
+``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
+``ns:policy_version``                              string        learner: current policy version (int)
+``ns:kl``                                          string        feeder: KL controller state (JSON)
+``ns:config``                                      hash          pipeline settings all workers agree on (shards)
+``ns:arq:*``                                       (arq)         rollout job queue, owned by arq (transport.jobs)
+=================================================  ============  ==============================================
+
+Sharding: ``rollouts`` and ``scored`` may be split into S shards (``ns:config`` field ``shards``); a
+group's shard is a stable hash of its group id, so its dedupe marker shares the shard's slot.
+``batches`` and ``dlq`` are single streams: a batch's dedupe markers (one per group) must share one slot.
+
+Each stage stream is read by exactly one consumer group (named after the consuming stage, see
+``CONSUMER_GROUPS``) which deletes entries once acknowledged, so a stream's length is its backlog.
+Debugging readers (``distillq tail``) use XRANGE/XREAD and never join a group.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+from redis.crc import key_slot
+
+#: Short stage-stream names, as the CLI takes them.
+STREAMS: Final = ("rollouts", "scored", "batches", "dlq")
+#: The consumer group that reads each stage stream.
+CONSUMER_GROUPS: Final = {"rollouts": "teacher", "scored": "feeder", "batches": "learner"}
+#: Streams that may be sharded (see ``shard_of``).
+SHARDABLE: Final = frozenset({"rollouts", "scored"})
+MAX_SHARDS: Final = 1024
+
+
+SLOTS: Final = 16384
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_tag(namespace: str, name: str, shard: int, shards: int) -> str:
+    """The hash tag of shard ``shard`` of ``shards``: ``ns:name:i``, salted (``ns:name:i~n``) so its cluster
+    slot falls in the i-th of ``shards`` equal slot ranges. A cluster that splits its slots evenly over its
+    masters (the default) thus gets the shards spread evenly; every process computes the same keys."""
+    lo, hi = shard * SLOTS // shards, (shard + 1) * SLOTS // shards
+    margin = (hi - lo) // 8  # away from the range's ends, where cluster tools may split differently by a slot
+    for salt in range(1 << 20):
+        tag = f"{namespace}:{name}:{shard}" + (f"~{salt}" if salt else "")
+        if lo + margin <= key_slot(tag.encode()) < hi - margin:
+            return tag
+    raise RuntimeError(f"no tag found for shard {shard} of {shards}")  # unreachable in practice
+
+
+def shard_of(group_id: str, shards: int) -> int:
+    """The shard of ``group_id`` among ``shards``: stable across processes, versions and machines."""
+    return zlib.crc32(group_id.encode()) % shards if shards > 1 else 0
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def _check(part: str, what: str) -> str:
+    if not _NAME.match(part):
+        raise ValueError(f"invalid {what} {part!r}: use letters, digits, '_', '.', '-'")
+    return part
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one pipeline namespace."""
+
+    namespace: str = "distillq"
+
+    def __post_init__(self) -> None:
+        _check(self.namespace, "namespace")
+
+    def stream(self, name: str, shard: int | None = None, shards: int = 1) -> str:
+        """The stream key for a short name (``rollouts``, ``scored``, ``batches``, ``dlq``).
+
+        Unsharded (``shard=None`` or ``shards == 1``): ``{ns:name}``. Shard ``i`` of ``shards``:
+        ``{ns:name:i}`` (salted, see ``shard_tag``).
+        """
+        _check(name, "stream name")
+        if shard is None or shards <= 1:
+            return f"{{{self.namespace}:{name}}}"
+        if name not in SHARDABLE or not 0 <= shard < shards <= MAX_SHARDS:
+            raise ValueError(f"stream {name!r} has no shard {shard} of {shards}")
+        return f"{{{shard_tag(self.namespace, name, shard, shards)}}}"
+
+    def streams(self, name: str, shards: int) -> list[str]:
+        """Every key of a stage stream: one when unsharded, else one per shard."""
+        if shards <= 1 or name not in SHARDABLE:
+            return [self.stream(name)]
+        return [self.stream(name, i, shards) for i in range(shards)]
+
+    def stream_for(self, name: str, group_id: str, shards: int) -> str:
+        """The key ``group_id`` is written to."""
+        if shards <= 1 or name not in SHARDABLE:
+            return self.stream(name)
+        return self.stream(name, shard_of(group_id, shards), shards)
+
+    def short_name(self, key: str) -> str:
+        """Inverse of ``stream``: ``{distillq:scored}`` or ``{distillq:scored:2~5}`` -> ``scored``."""
+        prefix = f"{{{self.namespace}:"
+        if key.startswith(prefix) and key.endswith("}"):
+            return key[len(prefix) : -1].split(":", 1)[0]
+        raise ValueError(f"{key!r} is not a stream of namespace {self.namespace!r}")
+
+    def seen(self, stream: str, group_id: str, shards: int = 1) -> str:
+        """Dedupe marker for ``group_id`` on ``stream`` (same hash slot as the stream key it goes to)."""
+        return f"{self.stream_for(stream, group_id, shards)}:seen:{group_id}"
+
+    @staticmethod
+    def payload(stream_key: str, group_id: str, nonce: str) -> str:
+        """Where a claim-checked entry's payload lives (same hash slot as ``stream_key``); ``nonce`` is
+        unique per write, so two writes of one group (without dedupe) never share a payload."""
+        return f"{stream_key}:payload:{group_id}:{nonce}"
+
+    @staticmethod
+    def reservations(stream_key: str) -> str:
+        """The producer's outstanding write reservations for a stream key (same hash slot)."""
+        return f"{stream_key}:reserving"
+
+    @property
+    def dlq(self) -> str:
+        return self.stream("dlq")
+
+    def consumer_group(self, stream: str) -> str:
+        return CONSUMER_GROUPS.get(stream, f"{stream}-readers")
+
+    def heartbeat(self, stage: str, consumer: str) -> str:
+        return f"{self.namespace}:health:{_check(stage, 'stage')}:{consumer}"
+
+    def heartbeat_pattern(self, stage: str = "*") -> str:
+        return f"{self.namespace}:health:{stage}:*"
+
+    @property
+    def policy_version(self) -> str:
+        return f"{self.namespace}:policy_version"
+
+    @property
+    def kl_state(self) -> str:
+        return f"{self.namespace}:kl"
+
+    @property
+    def config(self) -> str:
+        return f"{self.namespace}:config"
+
+    @property
+    def arq_queue(self) -> str:
+        return f"{self.namespace}:arq:queue"
+
+    @property
+    def arq_prefix(self) -> str:
+        return f"{self.namespace}:arq:"
