@@ -21,17 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.transport import (
-    Pipeline,
-    Workload,
-    client,
-    distillq_runner,
-    drop_namespace,
-    machine_cpu,
-    measure,
-    new_group,
-    new_keys,
-)
+from bench.common import Workload, client, drop_namespace, machine_cpu, measure, new_group, new_keys
+from bench.transport import Pipeline, distillq_runner
 
 
 @dataclass

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import redis.asyncio as aioredis
 
-from bench.transport import VOCAB, Workload, client, drop_namespace, new_group, new_keys
+from bench.common import VOCAB, Workload, client, drop_namespace, new_group, new_keys
 from pipeline.config import StreamSettings
 from pipeline.learner.client import AsyncLearner
 from pipeline.transport.keys import Keys

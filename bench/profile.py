@@ -42,7 +42,8 @@ def per_group_us(raw: str, groups: int) -> dict[str, float]:
 
 
 async def _child(variant: str, seq_len: int, seconds: float) -> None:
-    from bench.transport import Workload, quiet_logs, run_distillq, run_stub
+    from bench.common import Workload, quiet_logs
+    from bench.transport import run_distillq, run_stub
     from tests.redis_server import RedisServer
 
     quiet_logs()

@@ -172,7 +172,7 @@ class ReferenceServer:
 
 def run_reference(seqs: int, seq_len: int, k: int, groups: int, batch_groups: int) -> ReferenceRun:
     """Push ``groups`` scored groups through the reference transport; time until all reach the trainer."""
-    from bench.transport import VOCAB, Workload
+    from bench.common import VOCAB, Workload
 
     scored = synthetic_scored(Workload(seqs, seq_len, k).rollout(), k, vocab=VOCAB)
     server = ReferenceServer(batch_groups * seqs)

@@ -60,7 +60,7 @@ class Suite:
 
 
 def workloads(args: argparse.Namespace) -> list[Any]:
-    from bench.transport import Workload
+    from bench.common import Workload
 
     return [Workload(8, int(n)) for n in args.sizes.split(",")]
 
@@ -143,8 +143,8 @@ def row_teacher(s: Suite) -> None:
 
 
 def row_scaling(s: Suite) -> None:
+    from bench.common import Workload
     from bench.scaling import ScalePoint, efficiency, point
-    from bench.transport import Workload
 
     w = Workload(8, s.args.scaling_len)
     warm, dur = (0.5, 1.5) if s.quick else (1.0, 4.0)
@@ -167,8 +167,8 @@ def row_scaling(s: Suite) -> None:
 
 
 def row_latency(s: Suite) -> None:
+    from bench.common import Workload
     from bench.latency import latency, summary
-    from bench.transport import Workload
 
     w = Workload(8, 1024)
     warm, dur = (1.0, 4.0) if s.quick else (2.0, 12.0)
@@ -267,7 +267,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from bench.transport import quiet_logs
+    from bench.common import quiet_logs
     from tests.redis_server import RedisServer
 
     quiet_logs()

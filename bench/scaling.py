@@ -29,8 +29,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from bench.common import VOCAB, Workload, client, drop_namespace, machine_cpu, new_group, new_keys, redis_cpu
 from bench.reference_transport import proc_cpu
-from bench.transport import VOCAB, Workload, client, drop_namespace, machine_cpu, new_group, new_keys, redis_cpu
 from pipeline.config import StreamSettings
 from pipeline.stages.runloop import StageRunner
 from pipeline.stages.scoring import Scorer, ScoringConfig

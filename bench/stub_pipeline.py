@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from bench.transport import Meter, Window, Workload, client, drop_namespace, new_group, stream_settings
+from bench.common import Meter, Window, Workload, client, drop_namespace, new_group, stream_settings
 from pipeline.stages.batching import BatchingConfig, Pending, build_batch
 from pipeline.transport.claimcheck import encode_header, header_of
 from pipeline.transport.keys import Keys
