@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -33,6 +35,18 @@ def redis_settings(redis_url: str | None = None, namespace: str | None = None) -
     """Settings from the environment, with explicit values (when given) taking precedence."""
     given = {k: v for k, v in (("redis_url", redis_url), ("namespace", namespace)) if v}
     return RedisSettings(**given)  # type: ignore[arg-type]
+
+
+def add_redis_args(p: argparse.ArgumentParser) -> None:
+    """``--redis-url`` and ``--namespace``, as every command and worker that talks to Redis takes them."""
+    p.add_argument("--redis-url", default=None, help="redis://[user:password@]host:port/db or rediss:// "
+                   "(default: $DISTILLQ_REDIS_URL or redis://127.0.0.1:6379/0)")
+    p.add_argument("--namespace", default=None, help="key namespace (default: $DISTILLQ_NAMESPACE or distillq)")
+
+
+def redis_settings_from_args(args: argparse.Namespace) -> RedisSettings:
+    """Settings from ``add_redis_args``' flags, falling back to the environment."""
+    return redis_settings(getattr(args, "redis_url", None), getattr(args, "namespace", None))
 
 
 class StreamSettings(BaseSettings):

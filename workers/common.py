@@ -12,9 +12,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from pipeline.config import StreamSettings
+from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.logs import configure_logging
-from pipeline.ops.cli.common import add_redis_args, redis_settings
 from pipeline.stages.worker_main import check_health, run_worker
 from pipeline.transport.connection import retry_transient
 from pipeline.transport.keys import Keys
@@ -61,7 +60,7 @@ def stream_settings(args: argparse.Namespace, **overrides: Any) -> StreamSetting
 
 def run_stage(stage: str, args: argparse.Namespace, serve: Serve) -> int:
     """``--check`` or run the stage until a signal (or, with ``--burst``, until drained)."""
-    rs = redis_settings(args)
+    rs = redis_settings_from_args(args)
     if args.check:
         ok, why = asyncio.run(check_health(rs, stage, host=None if args.any_host else socket.gethostname()))
         print(why, file=sys.stdout if ok else sys.stderr)

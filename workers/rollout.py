@@ -12,7 +12,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
-from pipeline.ops.cli.common import redis_settings
+from pipeline.config import redis_settings_from_args
 from pipeline.rollout.rewards import get_reward, reward_names
 from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.student_base import GenParams, StudentBackend
@@ -99,7 +99,7 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
         log.info("group_pushed", group_id=group.group_id, policy_version=version, result=added.result.value)
         return group.group_id
 
-    worker = build_worker(redis_settings(args), keys, rollout, max_jobs=args.max_jobs, burst=args.burst,
+    worker = build_worker(redis_settings_from_args(args), keys, rollout, max_jobs=args.max_jobs, burst=args.burst,
                           stats=job_stats)
     heartbeat = Heartbeat(redis, keys.heartbeat("rollout", name), stream_settings(args).heartbeat_interval_s)
     hb = asyncio.create_task(heartbeat.run(stop, stats))

@@ -10,22 +10,13 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 
-from pipeline import config
-from pipeline.config import RedisSettings
+from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import STREAMS, Keys
 
 T = TypeVar("T")
 
-
-def add_redis_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=None, help="redis://[user:password@]host:port/db or rediss:// "
-                   "(default: $DISTILLQ_REDIS_URL or redis://127.0.0.1:6379/0)")
-    p.add_argument("--namespace", default=None, help="key namespace (default: $DISTILLQ_NAMESPACE or distillq)")
-
-
-def redis_settings(args: argparse.Namespace) -> RedisSettings:
-    return config.redis_settings(getattr(args, "redis_url", None), getattr(args, "namespace", None))
+__all__ = ["add_redis_args", "env_default", "redis_settings_from_args", "run", "stream_name", "with_redis"]
 
 
 def stream_name(value: str) -> str:
@@ -35,7 +26,7 @@ def stream_name(value: str) -> str:
 
 
 async def with_redis(args: argparse.Namespace, fn: Callable[[aioredis.Redis, Keys], Awaitable[T]]) -> T:
-    settings = redis_settings(args)
+    settings = redis_settings_from_args(args)
     client = connect(settings)
     try:
         return await fn(client, Keys(settings.namespace))

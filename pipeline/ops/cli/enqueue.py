@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from pipeline.ops.cli.common import add_redis_args, redis_settings, run
+from pipeline.ops.cli.common import add_redis_args, redis_settings_from_args, run
 from pipeline.transport.jobs import PROMPT_DECODER, PromptJob, enqueue_prompts
 from pipeline.transport.keys import Keys
 
@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
             err.print(f"[red]error[/red] {args.file}: {e}", highlight=False)
         err.print(f"nothing enqueued: {len(errors)} bad line(s)")
         return 1
-    rs = redis_settings(args)
+    rs = redis_settings_from_args(args)
     new, old = run(enqueue_prompts(rs, Keys(rs.namespace), jobs, epoch=args.epoch))
     err.print(f"enqueued {new} prompt(s) for epoch {args.epoch}" + (f"; {old} already enqueued" if old else ""))
     return 0

@@ -18,7 +18,7 @@ from types import FrameType
 
 from rich.console import Console
 
-from pipeline.ops.cli.common import add_redis_args, redis_settings
+from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
 
 console = Console(stderr=True)
@@ -53,7 +53,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    rs = redis_settings(args)
+    rs = redis_settings_from_args(args)
     procs = specs(args)
     if not procs:
         console.print("nothing to run: give --rollout, --teachers or --feeders")
