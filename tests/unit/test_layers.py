@@ -1,0 +1,108 @@
+"""The package layout is the architecture: imports run one way between layers, and no module cycle exists.
+
+ops -> workers -> stages -> transport -> (config, metrics, logs) -> schemas; teacher, rollout, models and
+learner sit beside them as drawn in ALLOWED. A new import that breaks a rule fails here with its file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("schemas", "pipeline", "workers", "bench")
+BASE = {"pipeline.config", "pipeline.metrics", "pipeline.logs"}
+
+# layer -> the layers it may import (besides itself)
+ALLOWED: dict[str, set[str]] = {
+    "schemas": set(),
+    "pipeline.base": {"schemas"},
+    "pipeline.models": set(),
+    "pipeline.teacher": {"schemas", "pipeline.models"},
+    "pipeline.rollout": {"schemas", "pipeline.base", "pipeline.models"},
+    "pipeline.transport": {"schemas", "pipeline.base"},
+    "pipeline.stages": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.teacher"},
+    "pipeline.learner": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.models"},
+    "pipeline.serve": {
+        "schemas", "pipeline.base", "pipeline.transport", "pipeline.rollout", "pipeline.models", "pipeline.learner",
+        "pipeline.stages",
+    },
+    "workers": {
+        "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher",
+        "pipeline.rollout", "pipeline.models",
+    },
+    "pipeline.ops": {
+        "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
+        "pipeline.models", "pipeline.learner", "pipeline.serve", "workers",
+    },
+}
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def layer(module: str) -> str:
+    if module in BASE or module == "pipeline":
+        return "pipeline.base"
+    parts = module.split(".")
+    if parts[0] == "pipeline":
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def imports(path: Path) -> set[str]:
+    """Project modules that ``path`` imports, at any depth of the file (lazy imports count too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] not in PACKAGES:
+                continue
+            for alias in node.names:  # ``from pipeline import metrics`` names a module
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if (ROOT / Path(*sub.split("."))).with_suffix(".py").exists() else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
+    return found
+
+
+def sources(*packages: str) -> list[Path]:
+    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+
+
+def test_every_pipeline_module_lives_in_a_known_layer() -> None:
+    stray = [module_name(p) for p in sources("pipeline") if layer(module_name(p)) not in ALLOWED]
+    assert stray == [], f"modules outside the layers of tests/unit/test_layers.py: {stray}"
+
+
+@pytest.mark.parametrize("path", sources("schemas", "pipeline", "workers"), ids=lambda p: module_name(p))
+def test_imports_follow_the_layers(path: Path) -> None:
+    own = layer(module_name(path))
+    bad = sorted(m for m in imports(path) if layer(m) != own and layer(m) not in ALLOWED[own])
+    assert bad == [], f"{module_name(path)} ({own}) may not import {bad}"
+
+
+def test_no_import_cycles() -> None:
+    graph = {module_name(p): {m for m in imports(p) if m != module_name(p)} for p in sources(*PACKAGES)}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                cycle = [*stack[stack.index(n):], n]
+                # a package importing its own submodules from __init__ is not a cycle users can hit
+                if not all(c.startswith(cycle[0]) or cycle[0].startswith(c) for c in cycle):
+                    pytest.fail("import cycle: " + " -> ".join(cycle))
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
