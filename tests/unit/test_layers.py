@@ -77,7 +77,7 @@ def test_every_pipeline_module_lives_in_a_known_layer() -> None:
     assert stray == [], f"modules outside the layers of tests/unit/test_layers.py: {stray}"
 
 
-@pytest.mark.parametrize("path", sources("schemas", "pipeline", "workers"), ids=lambda p: module_name(p))
+@pytest.mark.parametrize("path", sources("schemas", "pipeline", "workers"), ids=module_name)
 def test_imports_follow_the_layers(path: Path) -> None:
     own = layer(module_name(path))
     bad = sorted(m for m in imports(path) if layer(m) != own and layer(m) not in ALLOWED[own])
