@@ -58,14 +58,23 @@ def make_teacher(
     sampled_logprobs: npt.ArrayLike,
     *,
     fp16: bool = False,
+    rows: npt.ArrayLike | None = None,
 ) -> TeacherPayload:
+    """A payload from ``[R, k]`` top-k arrays and ``[R]`` sampled logprobs; ``rows`` names the ``R`` rows
+    (``None``: all ``L - 1``)."""
     ids = np.asarray(topk_ids, dtype=np.int32)
     return TeacherPayload(
         k=int(ids.shape[1]),
         topk_ids=Array.from_numpy(ids, INT32),
         topk_logprobs=Array.from_numpy(np.asarray(topk_logprobs), FLOAT16 if fp16 else FLOAT32),
         sampled_logprobs=Array.from_numpy(np.asarray(sampled_logprobs), FLOAT32),
+        rows=None if rows is None else Array.from_numpy(np.asarray(rows, dtype=np.int32), INT32),
     )
+
+
+def trained_rows(seq: Sequence) -> npt.NDArray[np.int32]:
+    """The teacher rows the learner trains on: ``r`` with ``loss_mask[r + 1] == 1``."""
+    return np.flatnonzero(seq.loss_mask.numpy()[1:]).astype(np.int32)
 
 
 def synthetic_rollout(
@@ -100,32 +109,36 @@ def synthetic_rollout(
 
 
 def synthetic_teacher(
-    seq: Sequence, k: int, *, vocab: int = 1000, seed: int = 0, fp16: bool = False
+    seq: Sequence, k: int, *, vocab: int = 1000, seed: int = 0, fp16: bool = False, all_rows: bool = False
 ) -> TeacherPayload:
-    """A random teacher payload that obeys the position convention for ``seq``."""
+    """A random teacher payload that obeys the position convention for ``seq``: the trained rows only,
+    or every row with ``all_rows``."""
     rng = np.random.default_rng(seed)
     tok = seq.tokens.numpy()
-    rows = tok.shape[0] - 1
+    index = np.arange(tok.shape[0] - 1, dtype=np.int32) if all_rows else trained_rows(seq)
+    rows = index.shape[0]
     ids = np.empty((rows, k), np.int32)
     for r in range(rows):  # distinct ids per row
         ids[r] = rng.choice(vocab, size=k, replace=False)
     lps = np.sort(-rng.exponential(2.0, (rows, k)).astype(np.float32), axis=1)[:, ::-1]
     sampled = lps[:, -1] - rng.exponential(1.0, rows).astype(np.float32)
-    hit = ids == tok[1:, None]
+    hit = ids == tok[index + 1, None]
     has = hit.any(axis=1)
     sampled[has] = lps[has, hit[has].argmax(axis=1)]
     if fp16:
         lps16 = lps.astype(np.float16).astype(np.float32)
         sampled[has] = lps16[has, hit[has].argmax(axis=1)]
-    return make_teacher(ids, lps, sampled, fp16=fp16)
+    return make_teacher(ids, lps, sampled, fp16=fp16, rows=None if all_rows else index)
 
 
-def synthetic_scored(rollout: RolloutGroup, k: int = 20, *, vocab: int = 1000, seed: int = 0) -> ScoredGroup:
+def synthetic_scored(
+    rollout: RolloutGroup, k: int = 20, *, vocab: int = 1000, seed: int = 0, all_rows: bool = False
+) -> ScoredGroup:
     seqs = rollout.sequences
     return ScoredGroup(
         group=rollout,
         status=DistillStatus.OK,
-        teacher=[synthetic_teacher(s, k, vocab=vocab, seed=seed + i) for i, s in enumerate(seqs)],
+        teacher=[synthetic_teacher(s, k, vocab=vocab, seed=seed + i, all_rows=all_rows) for i, s in enumerate(seqs)],
         k=k,
         teacher_id="synthetic",
         scored_at=time.time(),

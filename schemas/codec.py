@@ -88,6 +88,8 @@ def _scored_sizes(g: ScoredGroup) -> tuple[int, int]:
     size = _sequence_bytes(g.group.sequences)
     for t in teacher:
         size += t.topk_ids.data.nbytes + t.topk_logprobs.data.nbytes + t.sampled_logprobs.data.nbytes
+        if (a := t.rows) is not None:
+            size += a.data.nbytes
     return size, len(g.group.sequences) + len(teacher)
 
 

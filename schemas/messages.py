@@ -15,6 +15,11 @@ A sequence has ``L`` tokens ``tokens[0..L-1]`` (prompt, completions, later turns
   ``loss_mask[r + 1]``. ``topk_ids[r]``/``topk_logprobs[r]`` hold exactly ``k`` entries sorted by
   logprob, highest first. The reference system's layout (entry ``p`` for token ``p``, entry 0 empty) is
   ``[[]] + rows``; ``schemas.atropos`` converts at the boundary.
+* Teacher rows only where the learner trains (schema 2): a payload may carry ``rows``, the int32
+  row indices it holds, strictly increasing; its top-k arrays then have one row per entry of ``rows``
+  (``topk_ids[j]`` is row ``rows[j]``). Every trained row (``loss_mask[r + 1] == 1``) must be among
+  them; prompt, earlier-turn and tool-output rows are neither computed nor shipped. ``rows`` absent
+  means all ``L - 1`` rows (the schema 1 layout, still accepted).
 
 Schema evolution: every message carries ``schema``; new fields are appended with defaults only and
 readers skip fields they do not know (unknown fields are never forbidden), so rolling deploys work.
@@ -27,11 +32,15 @@ import enum
 from typing import Any, Final
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from schemas.arrays import Array
 
 #: Current wire schema. Readers accept messages whose ``schema`` is at most this.
-SCHEMA_VERSION: Final = 1
+#: 2: teacher payloads may hold only the trained rows (``TeacherPayload.rows``); a schema 1 reader would
+#: mis-read them as the first rows of the sequence, so it must refuse them (it does: "version 2 not supported").
+SCHEMA_VERSION: Final = 2
 
 
 class DistillStatus(enum.Enum):
@@ -43,12 +52,29 @@ class DistillStatus(enum.Enum):
 
 
 class TeacherPayload(msgspec.Struct, frozen=True, kw_only=True):
-    """The teacher's view of one sequence (logits-aligned, ``L - 1`` rows)."""
+    """The teacher's view of one sequence (logits-aligned): ``R`` rows, those named by ``rows``
+    (all ``L - 1`` when ``rows`` is absent)."""
 
     k: int
-    topk_ids: Array  # int32 [L-1, k]
-    topk_logprobs: Array  # float32 (or float16, see schemas.arrays) [L-1, k], sorted descending per row
-    sampled_logprobs: Array  # float32 [L-1]: teacher logprob of tokens[r + 1]
+    topk_ids: Array  # int32 [R, k]
+    topk_logprobs: Array  # float32 (or float16, see schemas.arrays) [R, k], sorted descending per row
+    sampled_logprobs: Array  # float32 [R]: teacher logprob of tokens[r + 1] for each row r
+    rows: Array | None = None  # int32 [R], strictly increasing rows in [0, L-1); None: R = L - 1, rows 0..L-2
+
+    def row_index(self, length: int) -> npt.NDArray[np.int32]:
+        """The rows this payload holds, for a sequence of ``length`` tokens."""
+        if self.rows is not None:
+            return self.rows.numpy()  # type: ignore[return-value]
+        return np.arange(max(length - 1, 0), dtype=np.int32)
+
+    def dense_sampled(self, length: int) -> npt.NDArray[np.float32]:
+        """``sampled_logprobs`` as ``[L - 1]`` rows, 0.0 at rows the payload does not hold."""
+        sampled = self.sampled_logprobs.numpy().astype(np.float32, copy=False)
+        if self.rows is None:
+            return sampled
+        out = np.zeros(max(length - 1, 0), np.float32)
+        out[self.rows.numpy()] = sampled
+        return out
 
 
 class Sequence(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,7 +7,9 @@ through ``validate``, which raises the precise ``DecodeError``.
 
 from __future__ import annotations
 
-from schemas.arrays import FLOAT16, FLOAT32, INT32, UINT8
+import numpy as np
+
+from schemas.arrays import FLOAT16, FLOAT32, INT32, UINT8, Array
 from schemas.messages import SCHEMA_VERSION, DistillStatus, Message, RolloutGroup, ScoredGroup, Sequence, TrainBatch
 from schemas.validate import Limits, validate
 
@@ -27,6 +29,9 @@ from schemas.validate import Limits, validate
 # They assume what ``schemas.codec.decode`` guarantees: every ``Array.data`` is a flat byte view
 # (msgspec slices it out of the 1-D byte buffer that decode hands it), so ``len(data)`` is its byte
 # length (and reads faster than ``data.nbytes``).
+
+
+_I32 = np.dtype("<i4")
 
 
 def _sequences_ok(seqs: list[Sequence], max_len: int) -> bool:
@@ -58,6 +63,21 @@ def _sequences_ok(seqs: list[Sequence], max_len: int) -> bool:
     return True
 
 
+def _held_rows(rows: Array, seq: Sequence) -> int:
+    """How many rows ``rows`` names if they are valid for ``seq`` (see ``validate._row_index``), else -1."""
+    n_rows = seq.tokens.shape[0] - 1
+    r = rows.shape[0] if len(rows.shape) == 1 else -1
+    if r < 0 or rows.dtype != INT32 or len(rows.data) != 4 * r:
+        return -1
+    idx = np.frombuffer(rows.data, _I32)
+    if r and (idx[0] < 0 or idx[-1] >= n_rows or not (idx[1:] > idx[:-1]).all()):
+        return -1
+    held = np.zeros(n_rows, np.bool_)
+    held[idx] = True
+    trained = np.frombuffer(seq.loss_mask.data, np.uint8)[1:].view(np.bool_)
+    return -1 if (trained & ~held).any() else r
+
+
 def _rollout_ok(g: RolloutGroup, limits: Limits) -> bool:
     seqs = g.sequences
     if not g.group_id or not 0 < len(seqs) <= limits.max_sequences or not _sequences_ok(seqs, limits.max_seq_len):
@@ -81,6 +101,10 @@ def _scored_ok(s: ScoredGroup, limits: Limits) -> bool:
         return False
     for t, seq in zip(teacher, seqs, strict=True):
         rows = seq.tokens.shape[0] - 1
+        if t.rows is not None:
+            rows = _held_rows(t.rows, seq)
+            if rows < 0:
+                return False
         shape = (rows, k)
         nb = 4 * rows * k
         a = t.topk_ids

@@ -56,9 +56,11 @@ _MAX, _MIN, _ALL, _ANY = np.maximum.reduce, np.minimum.reduce, np.logical_and.re
 
 #: One checked teacher payload: ``(name, topk_ids [rows, k], topk_logprobs [rows, k], sampled_logprobs)``.
 _Payload = tuple[str, npt.NDArray[np.generic], npt.NDArray[np.generic], npt.NDArray[np.generic]]
-#: A payload queued for the position-convention spot check, with its sequence's tokens last.
+#: A payload queued for the position-convention spot check: ``(name, topk_ids, topk_logprobs, sampled,
+#: labels, rows)``, ``labels[j]`` the token row ``j`` predicts and ``rows`` the payload's row indices
+#: (``None``: row ``j`` is row ``j``), used to name the row in errors.
 _Convention = tuple[str, npt.NDArray[np.generic], npt.NDArray[np.generic], npt.NDArray[np.generic],
-                    npt.NDArray[np.generic]]
+                    npt.NDArray[np.generic], npt.NDArray[np.generic] | None]
 
 
 class DecodeError(ValueError):
@@ -177,20 +179,43 @@ def validate_sequence(seq: Sequence, name: str, limits: Limits) -> None:
             raise DecodeError(f"{name}.loss_mask", "prompt positions (and position 0) must be 0")
 
 
-def _teacher(t: TeacherPayload, n: int, name: str, limits: Limits) -> _Payload | None:
-    """Check one payload against a sequence of ``n`` tokens; return its arrays for the convention check."""
+def _row_index(t: TeacherPayload, mask: npt.NDArray[np.generic], name: str) -> npt.NDArray[np.int32] | None:
+    """``t.rows`` checked against a sequence with loss mask ``mask`` (``[L]``): strictly increasing rows in
+    ``[0, L - 1)`` that include every trained row. ``None`` when the payload holds all rows."""
+    if t.rows is None:
+        return None
+    _shape(t.rows, name, ".rows", _I32, 1)
+    idx: npt.NDArray[np.int32] = np.frombuffer(t.rows.data, _I32_DTYPE)
+    n_rows = mask.shape[0] - 1
+    if idx.shape[0] and (int(idx[0]) < 0 or int(idx[-1]) >= n_rows or not _ALL(idx[1:] > idx[:-1])):
+        raise DecodeError(f"{name}.rows", f"must be strictly increasing rows in [0, {n_rows})")
+    held = np.zeros(max(n_rows, 0), np.bool_)
+    held[idx] = True
+    missing = np.flatnonzero(mask[1:].astype(np.bool_) & ~held)
+    if missing.shape[0]:
+        r = int(missing[0])
+        raise DecodeError(f"{name}.rows", f"trained row {r} (loss_mask[{r + 1}] = 1) has no teacher row")
+    return idx
+
+
+def _teacher(t: TeacherPayload, mask: npt.NDArray[np.generic], name: str, limits: Limits) -> _Payload | None:
+    """Check one payload against a sequence with loss mask ``mask`` (``[L]``); return its arrays for the
+    convention check."""
     if not 1 <= t.k <= limits.max_k:
         raise DecodeError(f"{name}.k", f"{t.k} outside [1, {limits.max_k}]")
-    rows = (n - 1, t.k)
+    idx = _row_index(t, mask, name)
+    n = mask.shape[0] - 1 if idx is None else idx.shape[0]
+    what = "L-1 rows of k, logits-aligned" if idx is None else "one row of k per entry of rows"
+    rows = (n, t.k)
     if _shape(t.topk_ids, name, ".topk_ids", _I32, 2) != rows:
         shape = t.topk_ids.shape
-        raise DecodeError(f"{name}.topk_ids", f"shape {shape} != {rows} (L-1 rows of k, logits-aligned)")
+        raise DecodeError(f"{name}.topk_ids", f"shape {shape} != {rows} ({what})")
     if _shape(t.topk_logprobs, name, ".topk_logprobs", _LOGPROB, 2) != rows:
         shape = t.topk_logprobs.shape
-        raise DecodeError(f"{name}.topk_logprobs", f"shape {shape} != {rows} (L-1 rows of k, logits-aligned)")
-    if _shape(t.sampled_logprobs, name, ".sampled_logprobs", _F32, 1) != (n - 1,):
+        raise DecodeError(f"{name}.topk_logprobs", f"shape {shape} != {rows} ({what})")
+    if _shape(t.sampled_logprobs, name, ".sampled_logprobs", _F32, 1) != (n,):
         shape = t.sampled_logprobs.shape
-        raise DecodeError(f"{name}.sampled_logprobs", f"shape {shape} != ({n - 1},)")
+        raise DecodeError(f"{name}.sampled_logprobs", f"shape {shape} != ({n},)")
     if not limits.check_values:
         return None
     # Flat views (the shapes were just checked): the value checks need no shape, the convention
@@ -204,19 +229,26 @@ def _teacher(t: TeacherPayload, n: int, name: str, limits: Limits) -> _Payload |
     return name, ids.reshape(rows), lps.reshape(rows), sampled
 
 
-def validate_teacher(t: TeacherPayload, tokens: npt.NDArray[np.generic], name: str, limits: Limits) -> None:
-    part = _teacher(t, tokens.shape[0], name, limits)
+def _convention_part(part: _Payload, t: TeacherPayload, tokens: npt.NDArray[np.generic]) -> _Convention:
+    """``part`` with the labels its rows predict (``tokens[r + 1]``) and its row indices."""
+    if t.rows is None:
+        return (*part, tokens[1:], None)
+    idx = np.frombuffer(t.rows.data, _I32_DTYPE)
+    return (*part, tokens.take(idx + 1), idx)
+
+
+def validate_teacher(t: TeacherPayload, seq: Sequence, name: str, limits: Limits) -> None:
+    part = _teacher(t, seq.loss_mask.numpy(), name, limits)
     if part is not None:
-        _check_convention([(*part, tokens)], limits)
+        _check_convention([_convention_part(part, t, seq.tokens.numpy())], limits)
 
 
 @functools.lru_cache(maxsize=1024)
-def _spot_rows(n_rows: int, m: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
-    """``m`` distinct rows evenly spread over ``n_rows`` (first and last included), and the rows + 1."""
+def _spot_rows(n_rows: int, m: int) -> npt.NDArray[np.intp]:
+    """``m`` distinct rows evenly spread over ``n_rows`` (first and last included)."""
     rows = np.arange(m) * (n_rows - 1) // max(m - 1, 1)
-    nxt = rows + 1
-    rows.flags.writeable = nxt.flags.writeable = False  # shared by every caller
-    return rows, nxt
+    rows.flags.writeable = False  # shared by every caller
+    return rows
 
 
 def _check_convention(parts: list[_Convention], limits: Limits) -> None:
@@ -225,21 +257,22 @@ def _check_convention(parts: list[_Convention], limits: Limits) -> None:
     Spot-checks up to ``limits.check_rows`` evenly spread rows of every payload, all payloads at once
     (they share k): rows sorted (within ``logprob_tolerance``), none starting above 0, and the sampled
     logprob agreeing with the sampled token's top-k entry, or not above the row's last entry when the
-    token is not in the top k. Each part is ``(name, topk_ids, topk_logprobs, sampled_logprobs, tokens)``
-    with the top-k arrays shaped ``[rows, k]``.
+    token is not in the top k. Each part is ``(name, topk_ids, topk_logprobs, sampled_logprobs, labels,
+    rows)`` (see ``_Convention``) with the top-k arrays shaped ``[R, k]``.
     """
-    picked: list[tuple[str, npt.NDArray[np.intp], float]] = []
+    picked: list[tuple[str, npt.NDArray[np.generic], float]] = []
     g_ids, g_lps, g_sampled, g_labels = [], [], [], []
     check_rows = limits.check_rows
-    for name, ids, lps, sampled, tokens in parts:
+    for name, ids, lps, sampled, labels_of, index in parts:
         n_rows = ids.shape[0]
         if n_rows:
-            rows, nxt = _spot_rows(n_rows, min(check_rows, n_rows))
-            picked.append((name, rows, FLOAT16_MAX_RELATIVE_ERROR if lps.dtype == np.float16 else 0.0))
+            rows = _spot_rows(n_rows, min(check_rows, n_rows))
+            named = rows if index is None else index.take(rows)
+            picked.append((name, named, FLOAT16_MAX_RELATIVE_ERROR if lps.dtype == np.float16 else 0.0))
             g_ids.append(ids.take(rows, 0))
             g_lps.append(lps.take(rows, 0))
             g_sampled.append(sampled.take(rows))
-            g_labels.append(tokens.take(nxt))
+            g_labels.append(labels_of.take(rows))
     if not picked:
         return
     r_ids = np.concatenate(g_ids)
@@ -313,9 +346,9 @@ def validate_teacher_part(s: ScoredGroup, limits: Limits, name: str = "scored") 
         for i, (t, seq) in enumerate(zip(teacher, seqs, strict=True)):
             if t.k != s.k:
                 raise DecodeError(f"{name}.teacher[{i}].k", f"{t.k} != group k {s.k}")
-            part = _teacher(t, seq.tokens.shape[0], f"{name}.teacher[{i}]", limits)
+            part = _teacher(t, seq.loss_mask.numpy(), f"{name}.teacher[{i}]", limits)
             if part is not None:
-                parts.append((*part, seq.tokens.numpy()))
+                parts.append(_convention_part(part, t, seq.tokens.numpy()))
         if parts:
             _check_convention(parts, limits)
     elif s.teacher is not None:

@@ -63,7 +63,12 @@ class LearnerBatch:
         return [g.group_id for g in self.batch.groups]
 
     def sequences(self) -> Iterator[dict[str, npt.NDArray[np.generic] | None]]:
-        """Per sequence, zero-copy numpy views: tokens, loss_mask, logprobs, advantages, teacher arrays."""
+        """Per sequence, zero-copy numpy views: tokens, loss_mask, logprobs, advantages, teacher arrays.
+
+        ``teacher_rows`` names the rows the teacher arrays hold (the trained rows; ``arange(L - 1)`` for a
+        payload of every row): ``teacher_topk_ids[j]`` is row ``teacher_rows[j]``, predicting token
+        ``teacher_rows[j] + 1``.
+        """
         i = 0
         for g in self.batch.groups:
             for j, s in enumerate(g.group.sequences):
@@ -75,6 +80,7 @@ class LearnerBatch:
                     "teacher_topk_ids": t.topk_ids.numpy() if t else None,
                     "teacher_topk_logprobs": t.topk_logprobs.numpy() if t else None,
                     "teacher_sampled_logprobs": t.sampled_logprobs.numpy() if t else None,
+                    "teacher_rows": t.row_index(s.length) if t else None,
                 }
                 i += 1
 

@@ -7,6 +7,9 @@ predicting token ``t + 1`` from ``tokens[:t + 1]``, i.e. it pairs with ``logits[
 run on ``input_ids``. Per-token arrays are shifted by one (``x[1:]``); teacher arrays are already
 logits-aligned (row ``r`` predicts token ``r + 1``) and map straight to index ``r``.
 
+Teacher rows: a payload may hold only the trained rows (``TeacherPayload.rows``); its rows land at
+their indices and the other rows stay empty (``distill_mask`` 0, top-k slots empty).
+
 Padding: positions past a sequence's end have every mask 0, ``labels``/``input_ids`` ``pad_id`` and zeros
 elsewhere. Top-k slots that carry no teacher entry (past the row's ``k``, a group without payload, or
 padding) have id 0 and logprob ``PAD_LOGPROB`` (a large negative *finite* number, so that
@@ -23,7 +26,7 @@ import numpy.typing as npt
 import torch
 
 from pipeline.learner.losses import PAD_LOGPROB
-from schemas.messages import DistillStatus, TrainBatch
+from schemas.messages import DistillStatus, TeacherPayload, TrainBatch
 
 __all__ = ["PAD_LOGPROB", "TorchBatch", "to_torch"]
 
@@ -39,8 +42,8 @@ class TorchBatch:
     loss_mask: torch.Tensor  # [B, T-1] float32, loss_mask[:, 1:]
     student_logprobs: torch.Tensor  # [B, T-1] float32, logprobs[:, 1:] (zeros where absent)
     advantages: torch.Tensor  # [B, T-1] float32, batch.advantages[i][1:]
-    teacher_topk_ids: torch.Tensor  # [B, T-1, K] int64
-    teacher_topk_logprobs: torch.Tensor  # [B, T-1, K] float32, PAD_LOGPROB in empty slots
+    teacher_topk_ids: torch.Tensor  # [B, T-1, K] int64 (or int32, see ``to_torch``)
+    teacher_topk_logprobs: torch.Tensor  # [B, T-1, K] float32 (or bf16/fp16), PAD_LOGPROB in empty slots
     teacher_sampled_logprobs: torch.Tensor  # [B, T-1] float32
     distill_mask: torch.Tensor  # [B, T-1] float32, loss_mask where the group has an OK teacher payload
     group_index: torch.Tensor  # [B] int64, index of the sequence's group in batch.groups
@@ -56,14 +59,32 @@ class TorchBatch:
         return int(self.input_ids.shape[0])
 
 
-def to_torch(batch: TrainBatch, device: str | torch.device = "cpu", pad_id: int = 0) -> TorchBatch:
+def to_torch(
+    batch: TrainBatch,
+    device: str | torch.device = "cpu",
+    pad_id: int = 0,
+    *,
+    topk_dtype: torch.dtype = torch.float32,
+    index_dtype: torch.dtype = torch.int64,
+) -> TorchBatch:
     """Pad ``batch`` into a ``TorchBatch`` on ``device``.
 
-    Each wire array is copied once into a writable padded numpy buffer (casting float16 teacher logprobs
-    to float32), wrapped with ``torch.from_numpy`` and moved to ``device`` in one transfer per field.
+    Each wire array is copied once into a padded buffer and moved to ``device`` in one transfer per field.
+    Teacher payloads that hold only the trained rows (``TeacherPayload.rows``) are spread to their rows;
+    ``distill_mask`` is 1 where the position trains and the payload holds its row.
+
+    ``topk_dtype``: ``teacher_topk_logprobs`` in float32 (default) or ``torch.bfloat16`` (half the memory,
+    8 bits of mantissa; float16 has no room for ``PAD_LOGPROB``, so it is not offered).
+    ``index_dtype``: ``teacher_topk_ids`` as int64 (default, what ``torch.gather`` takes) or ``torch.int32`` (half the memory; the losses widen
+    the rows they use). At ``16 x 8192`` positions and ``k = 256`` the two top-k tensors take 6 GiB as
+    int64 + float32 and 3 GiB as int32 + bfloat16 (bench/RESULTS.md has the measured figures).
 
     Raises ``ValueError`` if the batch is empty or its arrays disagree in length with the tokens.
     """
+    if topk_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"topk_dtype must be float32 or bfloat16, got {topk_dtype}")
+    if index_dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"index_dtype must be int64 or int32, got {index_dtype}")
     seqs = [(gi, s) for gi, g in enumerate(batch.groups) for s in g.group.sequences]
     if not seqs:
         raise ValueError("batch has no sequences")
@@ -84,8 +105,9 @@ def to_torch(batch: TrainBatch, device: str | torch.device = "cpu", pad_id: int 
     mask = np.zeros((b, n), np.float32)
     student = np.zeros((b, n), np.float32)
     adv = np.zeros((b, n), np.float32)
-    top_ids = np.zeros((b, n, k), np.int64)
-    top_lps = np.full((b, n, k), PAD_LOGPROB, np.float32)
+    # The top-k tensors are the big ones: filled in place in their final dtype, a sequence at a time.
+    top_ids = torch.zeros((b, n, k), dtype=index_dtype)
+    top_lps = torch.full((b, n, k), PAD_LOGPROB, dtype=topk_dtype)
     sampled = np.zeros((b, n), np.float32)
     distill = np.zeros((b, n), np.float32)
     lengths = np.zeros(b, np.int64)
@@ -105,15 +127,8 @@ def to_torch(batch: TrainBatch, device: str | torch.device = "cpu", pad_id: int 
         if av.shape != (length,):
             raise ValueError(f"advantages[{i}] has shape {av.shape}, sequence has {length} tokens")
         adv[i, :m] = av[1:]
-        if p is None:
-            continue
-        ids = p.topk_ids.numpy()
-        if ids.shape != (m, p.k):
-            raise ValueError(f"teacher payload {i} has shape {ids.shape}, expected {(m, p.k)}")
-        top_ids[i, :m, : p.k] = ids
-        top_lps[i, :m, : p.k] = p.topk_logprobs.numpy()
-        sampled[i, :m] = p.sampled_logprobs.numpy()
-        distill[i, :m] = mask[i, :m]
+        if p is not None:
+            _put_teacher(i, m, p, top_ids, top_lps, sampled, distill, mask)
 
     labels = input_ids[:, 1:].copy()
     group_index = np.array([gi for gi, _ in seqs], np.int64)
@@ -128,10 +143,41 @@ def to_torch(batch: TrainBatch, device: str | torch.device = "cpu", pad_id: int 
         loss_mask=tt(mask),
         student_logprobs=tt(student),
         advantages=tt(adv),
-        teacher_topk_ids=tt(top_ids),
-        teacher_topk_logprobs=tt(top_lps),
+        teacher_topk_ids=top_ids.to(device),
+        teacher_topk_logprobs=top_lps.to(device),
         teacher_sampled_logprobs=tt(sampled),
         distill_mask=tt(distill),
         group_index=tt(group_index),
         seq_lengths=tt(lengths),
     )
+
+
+def _put_teacher(
+    i: int,
+    m: int,
+    p: TeacherPayload,
+    top_ids: torch.Tensor,
+    top_lps: torch.Tensor,
+    sampled: npt.NDArray[np.float32],
+    distill: npt.NDArray[np.float32],
+    mask: npt.NDArray[np.float32],
+) -> None:
+    """Sequence ``i``'s payload (``m = L - 1`` rows) into row ``i`` of the padded teacher buffers."""
+    ids = p.topk_ids.numpy()
+    r = m if p.rows is None else int(p.rows.shape[0])
+    if ids.shape != (r, p.k):
+        raise ValueError(f"teacher payload {i} has shape {ids.shape}, expected {(r, p.k)}")
+    lps = torch.tensor(p.topk_logprobs.numpy())  # a copy: the wire arrays are read-only views
+    if p.rows is None:
+        at: slice | torch.Tensor = slice(0, m)
+        sampled[i, :m] = p.sampled_logprobs.numpy()
+        distill[i, :m] = mask[i, :m]
+    else:
+        idx = p.rows.numpy()
+        if r and (int(idx[0]) < 0 or int(idx[-1]) >= m):
+            raise ValueError(f"teacher payload {i} has rows outside [0, {m})")
+        at = torch.tensor(idx, dtype=torch.int64)
+        sampled[i, idx] = p.sampled_logprobs.numpy()
+        distill[i, idx] = mask[i, idx]
+    top_ids[i, at, : p.k] = torch.tensor(ids).to(top_ids.dtype)
+    top_lps[i, at, : p.k] = lps.to(top_lps.dtype)

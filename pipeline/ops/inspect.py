@@ -172,17 +172,18 @@ def _positions(seq: Sequence, t: TeacherPayload, tok: TokenDecoder, top: int, al
     student = seq.logprobs.numpy().tolist() if seq.logprobs is not None else None
     top_ids, top_lps = t.topk_ids.numpy(), t.topk_logprobs.numpy()
     sampled = t.sampled_logprobs.numpy()
+    held = {int(r): j for j, r in enumerate(t.row_index(len(ids)).tolist())}  # row -> payload row
     rows = []
     for p in range(1, len(ids)):
         if not (all_positions or mask[p]):
             continue
-        r = p - 1
+        j = held.get(p - 1)  # None: the payload holds no row here (an untrained position)
         rows.append({
             "pos": p, "token_id": ids[p], "token": _text(tok, [ids[p]]), "trainable": bool(mask[p]),
             "student_logprob": None if student is None else round(float(student[p]), 4),
-            "teacher_logprob": round(float(sampled[r]), 4),
-            "topk": [{"id": int(i), "token": _text(tok, [int(i)]), "logprob": round(float(lp), 4)}
-                     for i, lp in zip(top_ids[r, :top], top_lps[r, :top], strict=True)],
+            "teacher_logprob": None if j is None else round(float(sampled[j]), 4),
+            "topk": [] if j is None else [{"id": int(i), "token": _text(tok, [int(i)]), "logprob": round(float(lp), 4)}
+                                          for i, lp in zip(top_ids[j, :top], top_lps[j, :top], strict=True)],
         })
     return rows
 
@@ -229,7 +230,7 @@ def format_decoded(d: dict[str, Any]) -> list[str]:
     ]
     if "positions" not in d:
         return lines
-    shown = len(d["positions"][0]["topk"]) if d["positions"] else 0
+    shown = max((len(row["topk"]) for row in d["positions"]), default=0)
     lines.append(f"  {'pos':>5}  {'token':<14} {'train':<5} {'student':>8} {'teacher':>8}  "
                  f"teacher top-{shown} of {d['k']} (token logprob)")
     for row in d["positions"]:

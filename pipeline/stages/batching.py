@@ -172,7 +172,8 @@ def batch_advantages(
         for i, s in enumerate(seqs):
             n = s.length
             if g.teacher is not None and s.logprobs is not None and n > 1:
-                teacher += [_ZERO4, g.teacher[i].sampled_logprobs.data]
+                t = g.teacher[i]  # a payload of the trained rows only is spread over its L - 1 rows
+                teacher += [_ZERO4, t.sampled_logprobs.data if t.rows is None else t.dense_sampled(n).data]
                 student.append(s.logprobs.data)
             else:  # no teacher signal for this sequence
                 teacher.append(bytes(4 * n))

@@ -7,6 +7,9 @@ Rules (the reference system's, made explicit):
 * k = ``group_overrides.teacher_top_k`` if present (below 1 raised to 1), else ``default_k``. Above the
   teacher's cap: ``k_over_cap="clamp"`` uses the cap (recorded in ``ScoredGroup.k``), ``"drop"`` drops
   the group's payload with reason ``k_over_cap: ...``.
+* Each sequence asks for the teacher rows the learner trains on (row ``r`` where ``loss_mask[r + 1]`` is 1;
+  ``rows="all"`` asks for every row) and its payload holds those rows only (``TeacherPayload.rows``).
+  A sequence with no trained row needs no teacher call.
 * Sequences of all groups are packed into backend calls of at most ``max_batch_tokens`` padded tokens.
   Retryable failures are retried (bounded, exponential backoff with a cap); if any sequence of a group
   still fails, or comes back misaligned, the whole group is DROPPED with the reason and no payload, and
@@ -42,11 +45,11 @@ from pipeline.teacher.base import (
     ScoreRequest,
     ScoreResult,
     TeacherBackend,
+    empty_result,
     result_problem,
 )
-from schemas.arrays import Array
-from schemas.build import make_teacher
-from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
+from schemas.build import make_teacher, trained_rows
+from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
 from schemas.validate import DecodeError, Limits, validate_teacher_part
 
 log = structlog.get_logger(__name__)
@@ -67,6 +70,7 @@ class ScoringConfig:
     k_over_cap: Literal["clamp", "drop"] = "clamp"
     fp16_topk: bool = False  # store top-k logprobs as float16 on the wire
     concurrent_calls: int = 1  # backend calls in flight at once, over all batches (raise for HTTP teachers)
+    rows: Literal["trained", "all"] = "trained"  # teacher rows scored and shipped per sequence
 
     def __post_init__(self) -> None:
         if self.default_k < 1:
@@ -75,6 +79,8 @@ class ScoringConfig:
             raise ValueError("max_batch_tokens and concurrent_calls must be >= 1, retries >= 0")
         if self.k_over_cap not in ("clamp", "drop"):
             raise ValueError(f"k_over_cap must be 'clamp' or 'drop', got {self.k_over_cap!r}")
+        if self.rows not in ("trained", "all"):
+            raise ValueError(f"rows must be 'trained' or 'all', got {self.rows!r}")
 
     def backoff(self, attempt: int) -> float:
         """Delay before retry number ``attempt`` (1-based)."""
@@ -90,6 +96,7 @@ class ScoringStats:
     reasons: Counter[str] = field(default_factory=Counter)  # by reason category
     sequences_scored: int = 0
     tokens_scored: int = 0
+    rows_scored: int = 0  # teacher rows requested and shipped (``tokens_scored - rows_scored``: context only)
     teacher_calls: int = 0
     retries: int = 0
     clamped_groups: int = 0
@@ -130,9 +137,9 @@ def pack(items: list[_Item], max_batch_tokens: int) -> list[list[_Item]]:
     return calls
 
 
-def _request(tokens: Array, k: int) -> ScoreRequest:
-    arr: npt.NDArray[np.int32] = tokens.numpy().astype(np.int32, copy=False)
-    return ScoreRequest(arr, k)
+def _request(seq: Sequence, k: int, all_rows: bool) -> ScoreRequest:
+    arr: npt.NDArray[np.int32] = seq.tokens.numpy().astype(np.int32, copy=False)
+    return ScoreRequest(arr, k, None if all_rows else trained_rows(seq))
 
 
 def _failure_reason(f: ScoreFailure) -> str:
@@ -194,7 +201,8 @@ class Scorer:
                 if drop is not None:
                     done[g] = (DistillStatus.DROPPED, drop)
                     continue
-                items += [_Item(g, s, _request(seq.tokens, ks[g])) for s, seq in enumerate(group.sequences)]
+                all_rows = self.config.rows == "all"
+                items += [_Item(g, s, _request(seq, ks[g], all_rows)) for s, seq in enumerate(group.sequences)]
         results = await self._score_items(items, done)
         payloads: dict[int, list[TeacherPayload]] = {}
         fp16 = self.config.fp16_topk
@@ -203,7 +211,7 @@ class Scorer:
                 continue
             res = results[(it.group, it.seq)]
             payloads.setdefault(it.group, []).append(
-                make_teacher(res.topk_ids, res.topk_logprobs, res.sampled_logprobs, fp16=fp16)
+                make_teacher(res.topk_ids, res.topk_logprobs, res.sampled_logprobs, fp16=fp16, rows=it.req.rows)
             )
         return [self._finish(g, group, ks[g], done.get(g), payloads.get(g)) for g, group in enumerate(groups)]
 
@@ -230,6 +238,7 @@ class Scorer:
                 self.stats.count(DistillStatus.OK, None)
                 self.stats.sequences_scored += len(payload)
                 self.stats.tokens_scored += group.num_tokens
+                self.stats.rows_scored += sum(p.topk_ids.shape[0] for p in payload)
                 return scored
         status, reason = outcome
         self.stats.count(status, reason)
@@ -242,7 +251,12 @@ class Scorer:
     ) -> dict[tuple[int, int], ScoreResult]:
         """Results by (group, seq); groups that fail are added to ``done`` as DROPPED."""
         results: dict[tuple[int, int], ScoreResult] = {}
-        pending = items
+        pending = []
+        for it in items:  # nothing to ask the teacher for a sequence without a trained row
+            if it.req.n_rows == 0:
+                results[(it.group, it.seq)] = empty_result(it.req.k)
+            else:
+                pending.append(it)
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.stats.retries += len(pending)

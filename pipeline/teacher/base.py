@@ -1,7 +1,10 @@
 """Teacher backend protocol and the request/result types every backend speaks.
 
 Results use distillq's logits-aligned convention (see ``schemas.messages``): for a request of ``L``
-tokens, row ``r`` of a result is the teacher distribution of token ``r + 1`` given ``tokens[:r + 1]``.
+tokens, row ``r`` is the teacher distribution of token ``r + 1`` given ``tokens[:r + 1]``. A request
+names the rows it wants (``ScoreRequest.rows``, the rows the learner trains on); a result holds those
+rows only, in that order, so a backend never needs ``[L, V]`` for prompt, earlier-turn or tool-output
+positions.
 """
 
 from __future__ import annotations
@@ -23,19 +26,41 @@ class TeacherConfigError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class ScoreRequest:
-    """One sequence to score: ``tokens`` int32 ``[L]``, ``k`` top-k entries per row."""
+    """One sequence to score: ``tokens`` int32 ``[L]``, ``k`` top-k entries per row.
+
+    ``rows``: the logits-aligned rows wanted, int32, strictly increasing, each in ``[0, L - 1)``; ``None``
+    means all ``L - 1``. Row ``r`` predicts ``tokens[r + 1]``.
+    """
 
     tokens: npt.NDArray[np.int32]
     k: int
+    rows: npt.NDArray[np.int32] | None = None
 
     @property
-    def rows(self) -> int:
+    def n_rows(self) -> int:
+        """How many rows the result must have."""
+        if self.rows is not None:
+            return int(self.rows.shape[0])
         return max(int(self.tokens.shape[0]) - 1, 0)
+
+    def row_index(self) -> npt.NDArray[np.int32]:
+        """The rows wanted, as an array (``arange(L - 1)`` when ``rows`` is ``None``)."""
+        if self.rows is not None:
+            return self.rows
+        return np.arange(self.n_rows, dtype=np.int32)
+
+    @property
+    def first_row(self) -> int:
+        """The first row wanted (``L - 1`` when none is): tokens before ``first_row + 1`` are context only."""
+        if self.rows is None:
+            return 0
+        return int(self.rows[0]) if self.rows.shape[0] else max(int(self.tokens.shape[0]) - 1, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class ScoreResult:
-    """Teacher view of one sequence: ``[L-1, k]`` top-k ids and logprobs (sorted desc), ``[L-1]`` sampled."""
+    """Teacher view of one sequence at the request's rows ``R`` (all ``L - 1`` when it names none):
+    ``[R, k]`` top-k ids and logprobs (sorted desc), ``[R]`` logprobs of the sampled tokens."""
 
     topk_ids: npt.NDArray[np.int32]
     topk_logprobs: npt.NDArray[np.float32]
@@ -79,7 +104,7 @@ def result_problem(req: ScoreRequest, res: ScoreResult, *, values: bool = True) 
     with ``schemas.validate.validate_teacher_part`` next, which checks those (and ids against the
     vocabulary) on the bytes that go on the wire; checking them here too would read them twice.
     """
-    rows, k = req.rows, req.k
+    rows, k = req.n_rows, req.k
     ids, lps, sampled = res.topk_ids, res.topk_logprobs, res.sampled_logprobs
     if ids.shape != (rows, k) or lps.shape != (rows, k):
         return f"{MISALIGNED}: top-k shapes {ids.shape}/{lps.shape}, expected {(rows, k)}"

@@ -44,7 +44,7 @@ def group_kl(g: ScoredGroup) -> tuple[float, int]:
         if s.logprobs is None or s.length <= 1 or (s.overrides or {}).get("set_advantage_to_zero"):
             continue
         m = s.loss_mask.numpy()[1:].astype(bool)
-        q = t.sampled_logprobs.numpy().astype("<f4")[m]
+        q = t.dense_sampled(s.length)[m]
         student = s.logprobs.numpy()[1:][m]
         total += float((student - q).sum(dtype="<f8"))
         n += int(m.sum())

@@ -81,9 +81,11 @@ def test_teacher_worker_end_to_end(tmp_path: Path, redis_url: str, keys: Keys, t
         for seq, t in zip(s.group.sequences, s.teacher, strict=True):
             tokens = seq.tokens.numpy().tolist()
             ids, lps = t.topk_ids.numpy(), t.topk_logprobs.numpy()
-            assert ids.shape == (len(tokens) - 1, k)
+            rows = t.row_index(len(tokens))  # the trained rows only: nothing computed for the prompt
+            np.testing.assert_array_equal(rows, np.flatnonzero(seq.loss_mask.numpy()[1:]))
+            assert ids.shape == (rows.shape[0], k) and rows.shape[0] < len(tokens) - 1
             assert (np.diff(lps, axis=1) <= 0).all()  # sorted, highest first
-            ref_ids, ref_lps, ref_sampled = reference_topk(model, tokens, k)
+            ref_ids, ref_lps, ref_sampled = (a[rows] for a in reference_topk(model, tokens, k))
             np.testing.assert_allclose(lps, ref_lps, atol=1e-5)
             np.testing.assert_allclose(t.sampled_logprobs.numpy(), ref_sampled, atol=1e-5)
             assert (ids == ref_ids).mean() > 0.99  # ties may order differently

@@ -82,7 +82,7 @@ async def test_equals_hf(teacher: VLLMTeacher, hf: HFTeacher, model: Any, k: int
     worst, swapped = 0.0, 0
     for r, g, w in zip(reqs, got, want, strict=True):
         assert isinstance(g, ScoreResult) and isinstance(w, ScoreResult)
-        assert g.topk_ids.shape == w.topk_ids.shape == (r.rows, k)
+        assert g.topk_ids.shape == w.topk_ids.shape == (r.n_rows, k)
         # Ids may swap only between near-tied entries; values are compared exactly to TOL.
         assert_topk_matches(
             g.topk_ids, g.topk_logprobs, w.topk_logprobs, teacher_logprobs(model, r.tokens.tolist()), TOL

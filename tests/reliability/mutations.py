@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from pipeline.config import StreamSettings
-from schemas import encode
+from schemas import SCHEMA_VERSION, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 
 MAX_BYTES = 65536
@@ -158,7 +158,7 @@ def field_wrong_type(t: Tree, rng: random.Random) -> None:
 # --- guaranteed invalid: group and envelope --------------------------------------------------------
 @mutation
 def schema_version_unknown(t: Tree, rng: random.Random) -> None:
-    t["schema"] = rng.choice([0, 2, 99, -1, 2**40])
+    t["schema"] = rng.choice([0, SCHEMA_VERSION + 1, 99, -1, 2**40])
 
 
 @mutation

@@ -15,7 +15,7 @@ import pytest
 from pipeline.stages.batching import BatchingConfig, Pending, build_batch, materialize
 from pipeline.transport.claimcheck import header_of
 from pipeline.transport.keys import Keys
-from schemas import BatchManifest, DecodeError, TrainBatch, decode, encode
+from schemas import SCHEMA_VERSION, BatchManifest, DecodeError, TrainBatch, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer
 from tests.reliability import mutations as mut
@@ -58,7 +58,7 @@ def advantages_values(t: Tree, rng: random.Random) -> None:
 
 
 def envelope(t: Tree, rng: random.Random) -> None:
-    key, value = rng.choice([("schema", 2), ("schema", 0), ("t", "batches"), ("batch_id", 7), ("groups", {}),
+    key, value = rng.choice([("schema", SCHEMA_VERSION + 1), ("schema", 0), ("t", "batches"), ("batch_id", 7), ("groups", {}),
                              ("advantages", None), ("kl_coef", "high")])
     t[key] = value
 

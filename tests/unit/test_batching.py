@@ -95,7 +95,7 @@ def test_advantages_are_reverse_kl_on_trainable_positions() -> None:
     kl_sum, kl_n = group_kl(g)
     for i, seq in enumerate(g.group.sequences):
         mask = seq.loss_mask.numpy().astype(bool)
-        q = g.teacher[i].sampled_logprobs.numpy()  # type: ignore[index]
+        q = g.teacher[i].dense_sampled(seq.length)  # type: ignore[index]
         s = seq.logprobs.numpy()  # type: ignore[union-attr]
         expected = np.zeros(seq.length, np.float32)
         for p in range(1, seq.length):

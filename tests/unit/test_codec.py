@@ -617,19 +617,38 @@ def _arrays(node: Any) -> Iterator[list[Any]]:
             yield from _arrays(x)
 
 
+#: Fields whose values are users' free-form dicts: a key in them is data, never a field of the schema
+#: (a generated ``overrides`` may well hold a key named ``status`` or ``topk_ids``).
+USER_DICTS = frozenset({"overrides", "group_overrides", "generation_params", "metadata", "messages", "stats"})
+
+
 def _structs(node: Any, key: str) -> Iterator[dict[str, Any]]:
-    """The structs in a msgpack tree that have field ``key``."""
+    """The message structs in a msgpack tree that have field ``key`` (users' dicts are not searched)."""
     if isinstance(node, dict):
         if key in node:
             yield node
-        for x in node.values():
-            yield from _structs(x, key)
+        for name, x in node.items():
+            if name not in USER_DICTS:
+                yield from _structs(x, key)
     elif isinstance(node, list):
         for x in node:
             yield from _structs(x, key)
 
 
 Edit = Callable[[Any], object]
+
+
+def _swap_first_rows(payload: dict[str, Any]) -> None:
+    """Rows no longer strictly increasing."""
+    raw = bytearray(payload["rows"][2])
+    raw[:4], raw[4:8] = raw[4:8], raw[:4]
+    payload["rows"][2] = bytes(raw)
+
+
+def _shift_rows(payload: dict[str, Any]) -> None:
+    """Every row index one higher: the last may leave the sequence, a trained row loses its teacher row."""
+    rows = np.frombuffer(payload["rows"][2], "<i4") + 1
+    payload["rows"][2] = rows.astype("<i4").tobytes()
 
 
 def _array_edits(arr: list[Any]) -> list[Edit]:
@@ -677,6 +696,11 @@ def _edits(tree: dict[str, Any]) -> list[tuple[str, int, Edit]]:
         edits += [(field, i, e) for i, node in enumerate(_structs(tree, field)) for e in make(node)]
     for i, t in enumerate(_structs(tree, "topk_ids")):
         edits += [("topk_ids", i, lambda q, v=k: q.__setitem__("k", v)) for k in (0, t["k"] - 1, t["k"] + 1, 300)]
+        edits += [("topk_ids", i, lambda q: q.__setitem__("rows", None))]  # trained rows read as rows 0..R-1
+        rows = t.get("rows")
+        if isinstance(rows, list) and len(rows) == 3 and isinstance(rows[2], bytes) and len(rows[2]) >= 8 \
+                and len(rows[2]) % 4 == 0:
+            edits += [("topk_ids", i, _swap_first_rows), ("topk_ids", i, _shift_rows)]
     if "advantages" in tree:
         edits += [("", 0, lambda q: q.__setitem__("advantages", q["advantages"][:-1])),
                   ("", 0, lambda q: q.__setitem__("advantages", q["advantages"] + q["advantages"][:1]))]
@@ -741,3 +765,18 @@ def test_fast_structural_checks_agree_with_validate_on_every_single_edit(base: i
             else:
                 assert error is None
     assert cases > 100
+
+
+def test_a_schema_1_reader_refuses_trained_rows_payloads_naming_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader built before teacher payloads could hold only the trained rows (schema 1) must not take
+    them for the first rows of the sequence: it refuses the message on its ``schema`` before any shape."""
+    from schemas import structure
+    from schemas import validate as validate_module
+
+    data = encode(synthetic_scored(rollout(), 5, vocab=500, seed=9))  # trained rows only: schema 2
+    assert decode(data).schema == 2
+    for module in (structure, validate_module):
+        monkeypatch.setattr(module, "SCHEMA_VERSION", 1)
+    with pytest.raises(DecodeError) as info:
+        decode(data)
+    assert info.value.field == "schema" and info.value.reason == "version 2 not supported (this reader: 1..1)"

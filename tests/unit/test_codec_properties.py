@@ -19,7 +19,9 @@ from schemas.validate import DecodeError, Limits, validate
 from tests.unit.test_codec import _edited, _edits, same
 
 VOCAB = 5000
-SETTINGS = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# print_blob: a failure prints the ``@reproduce_failure(...)`` line that replays it exactly.
+SETTINGS = settings(max_examples=200, deadline=None, database=None, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.text(max_size=5))
 small_dicts = st.dictionaries(st.text(max_size=6), json_scalars, max_size=3)
@@ -73,24 +75,34 @@ def rollouts(draw: st.DrawFn) -> RolloutGroup:
     )
 
 
-def teacher_for(seq: Sequence, k: int, seed: int, fp16: bool) -> TeacherPayload:
-    """A payload obeying the convention: rows sorted, sampled = its top-k entry or below the row."""
+def teacher_for(seq: Sequence, k: int, seed: int, fp16: bool, layout: str = "all") -> TeacherPayload:
+    """A payload obeying the convention: rows sorted, sampled = its top-k entry or below the row.
+
+    ``layout``: ``all`` rows (schema 1), the ``trained`` rows only, or the trained rows ``plus`` some others.
+    """
     rng = np.random.default_rng(seed)
     tok = seq.tokens.numpy()
-    rows = tok.shape[0] - 1
+    held: np.ndarray | None = None
+    if layout != "all":
+        mask = seq.loss_mask.numpy()[1:].astype(bool)
+        if layout == "plus":
+            mask |= rng.random(mask.shape[0]) < 0.3
+        held = np.flatnonzero(mask).astype(np.int32)
+    nxt = tok[1:] if held is None else tok[held + 1]
+    rows = nxt.shape[0]
     ids = np.stack([rng.choice(VOCAB, k, replace=False) for _ in range(rows)]) if rows else np.empty((0, k))
     ids = ids.astype(np.int32)
     put = rng.random(rows) < 0.5  # half the rows hold the true next token
-    ids[put, rng.integers(0, k, rows)[put]] = tok[1:][put]
-    ids[~put] = np.where(ids[~put] == tok[1:][~put, None], (ids[~put] + 1) % VOCAB, ids[~put])
+    ids[put, rng.integers(0, k, rows)[put]] = nxt[put]
+    ids[~put] = np.where(ids[~put] == nxt[~put, None], (ids[~put] + 1) % VOCAB, ids[~put])
     lps = np.sort(-rng.exponential(3.0, (rows, k)), axis=1)[:, ::-1].astype(np.float32)
     if fp16:
         lps = lps.astype(np.float16).astype(np.float32)
-    hit = ids == tok[1:, None]
+    hit = ids == nxt[:, None]
     has = hit.any(axis=1)
     sampled = (lps[:, -1] if rows else np.empty(0, np.float32)) - rng.exponential(1.0, rows).astype(np.float32)
     sampled[has] = lps[has, hit[has].argmax(axis=1)]
-    return make_teacher(ids, lps, sampled, fp16=fp16)
+    return make_teacher(ids, lps, sampled, fp16=fp16, rows=held)
 
 
 @st.composite
@@ -101,7 +113,8 @@ def scored_groups(draw: st.DrawFn, ok: bool = False) -> ScoredGroup:
         return ScoredGroup(group=g, status=status, reason=draw(st.text(min_size=1, max_size=20)))
     k = draw(st.integers(1, 32))
     seed, fp16 = draw(st.integers(0, 2**32 - 1)), draw(st.booleans())
-    teachers = [teacher_for(s, k, seed + i, fp16) for i, s in enumerate(g.sequences)]
+    layout = draw(st.sampled_from(["all", "trained", "plus"]))
+    teachers = [teacher_for(s, k, seed + i, fp16, layout) for i, s in enumerate(g.sequences)]
     return ScoredGroup(group=g, status=status, teacher=teachers, k=k, teacher_id=draw(st.text(max_size=8)))
 
 

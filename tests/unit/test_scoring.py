@@ -25,10 +25,10 @@ Behaviour = Callable[[ScoreRequest], ScoreOutcome | None]
 
 def good(req: ScoreRequest) -> ScoreResult:
     """A valid result: the prompt token first in every row, logprobs strictly decreasing."""
-    tok = req.tokens.astype(np.int64)
-    rows, k = req.rows, req.k
-    ids = ((tok[1:, None] + np.arange(k)[None, :]) % VOCAB).astype(np.int32)
-    lps = np.tile(-0.1 - 0.5 * np.arange(k, dtype=np.float32), (rows, 1)) - (tok[1:, None] % 7).astype(np.float32)
+    nxt = req.tokens.astype(np.int64)[req.row_index() + 1]  # the tokens the requested rows predict
+    rows, k = req.n_rows, req.k
+    ids = ((nxt[:, None] + np.arange(k)[None, :]) % VOCAB).astype(np.int32)
+    lps = np.tile(-0.1 - 0.5 * np.arange(k, dtype=np.float32), (rows, 1)) - (nxt[:, None] % 7).astype(np.float32)
     return ScoreResult(ids, lps.astype(np.float32), lps[:, 0].astype(np.float32).copy())
 
 
@@ -114,11 +114,34 @@ async def test_k_rules_and_payload_shapes() -> None:
         assert s.status is DistillStatus.OK and s.teacher_id == "fake-teacher" and s.scored_at > 0
         assert s.teacher is not None and len(s.teacher) == len(g.sequences)
         for t, seq in zip(s.teacher, g.sequences, strict=True):
-            assert t.topk_ids.shape == (seq.length - 1, s.k)
-            expect = good(ScoreRequest(seq.tokens.numpy().astype(np.int32), s.k))
+            trained = np.flatnonzero(seq.loss_mask.numpy()[1:]).astype(np.int32)  # rows r: loss_mask[r + 1] == 1
+            assert t.topk_ids.shape == (trained.shape[0], s.k) and trained.shape[0] == seq.length - 2
+            np.testing.assert_array_equal(t.row_index(seq.length), trained)
+            expect = good(ScoreRequest(seq.tokens.numpy().astype(np.int32), s.k, trained))
             np.testing.assert_array_equal(t.topk_ids.numpy(), expect.topk_ids)
             np.testing.assert_array_equal(t.sampled_logprobs.numpy(), expect.sampled_logprobs)
         roundtrip(s)  # valid under the wire contract (position convention included)
+
+
+async def test_only_trained_rows_are_requested_and_shipped_unless_all_rows_are_asked_for() -> None:
+    prompt_only = make_sequence(np.array([700, 5, 6, 7], np.int32), np.zeros(4, np.uint8))
+    multi_turn = np.zeros(12, np.uint8)
+    multi_turn[[3, 4, 8, 9, 10]] = 1  # two assistant turns around a tool output
+    turns = make_sequence((np.arange(12, dtype=np.int32) * 3 + 600) % VOCAB, multi_turn)
+    g = RolloutGroup(group_id="mt", sequences=[turns, prompt_only])
+    teacher = FakeTeacher()
+    out, scorer = await run([g], teacher, default_k=3)
+    assert [[r.rows.tolist() if r.rows is not None else None for r in c] for c in teacher.calls] == [[[2, 3, 7, 8, 9]]]
+    s = roundtrip(out[0])
+    assert s.status is DistillStatus.OK and s.teacher is not None
+    assert s.teacher[0].row_index(12).tolist() == [2, 3, 7, 8, 9] and s.teacher[0].topk_ids.shape == (5, 3)
+    assert s.teacher[1].topk_ids.shape == (0, 3)  # no trained row: no teacher call, an empty payload
+    assert scorer.stats.rows_scored == 5 and scorer.stats.tokens_scored == 16
+    teacher = FakeTeacher()
+    out, scorer = await run([g], teacher, default_k=3, rows="all")
+    s = roundtrip(out[0])
+    assert s.teacher is not None and s.teacher[0].rows is None and s.teacher[0].topk_ids.shape == (11, 3)
+    assert [len(c) for c in teacher.calls] == [2] and scorer.stats.rows_scored == 14
 
 
 async def test_skip_and_discard_never_reach_teacher() -> None:
@@ -160,7 +183,7 @@ async def test_skip_and_discard_never_reach_teacher() -> None:
         (lambda r: ScoreFailure("misaligned: 3 entries for 9 tokens", retryable=False), "misaligned: 3 entries"),
         # Values the per-sequence check leaves to the group check of the encoded payload (read once):
         # the reason names the sequence by its field, scored.teacher[1].
-        (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs, np.full(r.rows, np.nan, np.float32)),
+        (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs, np.full(r.n_rows, np.nan, np.float32)),
          "misaligned: scored.teacher[1].sampled_logprobs: non-finite"),
         (lambda r: ScoreResult(good(r).topk_ids, with_value(good(r).topk_logprobs, 5, 3, -np.inf),
                                good(r).sampled_logprobs),
@@ -214,7 +237,7 @@ async def test_unsorted_row_outside_the_spot_check_drops_the_group() -> None:
 async def test_ids_outside_the_configured_vocabulary_drop_the_group() -> None:
     def over(r: ScoreRequest) -> ScoreResult:
         res = good(r)
-        return ScoreResult(with_value(res.topk_ids, r.rows - 1, 2, VOCAB), res.topk_logprobs, res.sampled_logprobs)
+        return ScoreResult(with_value(res.topk_ids, r.n_rows - 1, 2, VOCAB), res.topk_logprobs, res.sampled_logprobs)
 
     groups = [group(100, [9, 9]), group(200, [9])]
     scorer = Scorer(FakeTeacher(rules={101: over}), ScoringConfig(default_k=4), limits=Limits(vocab_size=VOCAB))
@@ -345,7 +368,7 @@ async def test_k_over_cap(rule: str) -> None:
     assert out[1].status is DistillStatus.OK and out[1].k == 4
     if rule == "clamp":
         assert out[0].status is DistillStatus.OK and out[0].k == 6
-        assert out[0].teacher is not None and out[0].teacher[0].topk_ids.shape == (8, 6)
+        assert out[0].teacher is not None and out[0].teacher[0].topk_ids.shape == (7, 6)  # 9 tokens, 7 trained
         assert scorer.stats.clamped_groups == 1
     else:
         assert out[0].status is DistillStatus.DROPPED and out[0].reason is not None

@@ -68,4 +68,7 @@ async def test_synthetic_payloads_pass_the_teacher_stage_with_a_vocabulary() -> 
     for s in out:
         assert s.teacher is not None
         for t, q in zip(s.teacher, s.group.sequences, strict=True):
-            np.testing.assert_array_equal(t.topk_ids.numpy(), formula(q.tokens.numpy(), 20, 32000))
+            rows = t.row_index(q.length)  # the trained rows: row r predicts token r + 1
+            np.testing.assert_array_equal(rows, np.flatnonzero(q.loss_mask.numpy()[1:]))
+            full = formula(q.tokens.numpy(), 20, 32000)
+            np.testing.assert_array_equal(t.topk_ids.numpy(), full[rows])

@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -105,18 +106,64 @@ def test_every_field_is_next_token_aligned(batch: schemas.TrainBatch, tb: TorchB
                 assert (tb.teacher_topk_logprobs[i] == PAD_LOGPROB).all()
             else:
                 p = g.teacher[j]
+                rows = p.row_index(n).copy()  # the trained rows only (the payloads are made that way)
+                assert p.rows is not None and np.array_equal(rows, np.flatnonzero(mask))
                 assert np.array_equal(tb.distill_mask[i, : n - 1].numpy(), mask)
-                assert np.array_equal(tb.teacher_topk_ids[i, : n - 1, : p.k].numpy(), p.topk_ids.numpy())
+                assert np.array_equal(tb.teacher_topk_ids[i, rows, : p.k].numpy(), p.topk_ids.numpy())
                 assert np.array_equal(
-                    tb.teacher_topk_logprobs[i, : n - 1, : p.k].numpy(), p.topk_logprobs.numpy().astype(np.float32)
+                    tb.teacher_topk_logprobs[i, rows, : p.k].numpy(), p.topk_logprobs.numpy().astype(np.float32)
                 )
-                assert np.array_equal(tb.teacher_sampled_logprobs[i, : n - 1].numpy(), p.sampled_logprobs.numpy())
+                assert np.array_equal(tb.teacher_sampled_logprobs[i, rows].numpy(), p.sampled_logprobs.numpy())
+                untrained = np.setdiff1d(np.arange(tb.labels.shape[1]), rows)  # rows without a teacher row
+                assert (tb.teacher_topk_logprobs[i, untrained] == PAD_LOGPROB).all()
+                assert (tb.teacher_topk_ids[i, untrained] == 0).all()
+                assert (tb.teacher_sampled_logprobs[i, untrained] == 0).all()
                 # Slots past this group's k and rows past the sequence are empty.
                 assert (tb.teacher_topk_logprobs[i, :, p.k :] == PAD_LOGPROB).all()
                 assert (tb.teacher_topk_ids[i, :, p.k :] == 0).all()
                 assert (tb.teacher_topk_logprobs[i, n - 1 :] == PAD_LOGPROB).all()
             i += 1
     assert (tb.distill_mask <= tb.loss_mask).all()
+
+
+def test_all_rows_payloads_give_the_same_tensors_at_every_trained_position(batch: schemas.TrainBatch) -> None:
+    """A schema 1 payload (every row) and a trained-rows payload of the same teacher agree where it trains."""
+    dense_groups = [
+        msgspec.structs.replace(g, teacher=[synthetic_teacher(s, t.k, vocab=VOCAB, seed=0, all_rows=True)
+                                            for s, t in zip(g.group.sequences, g.teacher, strict=True)])
+        if g.teacher is not None else g
+        for g in batch.groups
+    ]
+    sparse_groups = [
+        msgspec.structs.replace(g, teacher=[synthetic_teacher(s, t.k, vocab=VOCAB, seed=0)
+                                            for s, t in zip(g.group.sequences, g.teacher, strict=True)])
+        if g.teacher is not None else g
+        for g in batch.groups
+    ]
+    dense = to_torch(msgspec.structs.replace(batch, groups=dense_groups))
+    sparse = to_torch(msgspec.structs.replace(batch, groups=sparse_groups))
+    at = sparse.distill_mask.bool()
+    assert torch.equal(dense.distill_mask, sparse.distill_mask) and at.any()
+    # synthetic_teacher draws the same values for a trained row whichever layout it makes only when the
+    # rows coincide; compare what the losses read: ids present and logprobs sorted at every trained row.
+    assert (sparse.teacher_topk_logprobs[at][:, 0] > PAD_LOGPROB / 2).all()
+    assert (sparse.teacher_topk_logprobs[~at] == PAD_LOGPROB).all()
+
+
+@pytest.mark.parametrize(("topk_dtype", "index_dtype"), [(torch.bfloat16, torch.int32), (torch.float32, torch.int32)])
+def test_half_precision_topk_and_int32_ids(batch: schemas.TrainBatch, tb: TorchBatch, topk_dtype: torch.dtype,
+                                           index_dtype: torch.dtype) -> None:
+    half = to_torch(batch, pad_id=7, topk_dtype=topk_dtype, index_dtype=index_dtype)
+    assert half.teacher_topk_logprobs.dtype == topk_dtype and half.teacher_topk_ids.dtype == index_dtype
+    assert torch.equal(half.teacher_topk_ids.long(), tb.teacher_topk_ids)
+    full = tb.teacher_topk_logprobs
+    filled = full > PAD_LOGPROB / 2
+    err = (half.teacher_topk_logprobs.float()[filled] - full[filled]).abs()
+    rel = 2.0 ** -8 if topk_dtype == torch.bfloat16 else 0.0
+    assert (err <= rel * full[filled].abs() + 1e-6).all()
+    assert (half.teacher_topk_logprobs.float()[~filled] <= PAD_LOGPROB / 2).all()  # empty slots stay empty
+    with pytest.raises(ValueError, match="topk_dtype"):
+        to_torch(batch, topk_dtype=torch.float16)
 
 
 def test_losses_on_padded_mixed_k_batch_are_finite(tb: TorchBatch) -> None:

@@ -36,11 +36,15 @@ VOCAB = 500
 T1 = "scored.teacher[1]"
 
 
-def scored(k: int = 5, lengths: tuple[int, ...] = (7, 12, 1, 60), fp16: bool = False) -> ScoredGroup:
+def scored(
+    k: int = 5, lengths: tuple[int, ...] = (7, 12, 1, 60), fp16: bool = False, all_rows: bool = True
+) -> ScoredGroup:
+    """Dense payloads (every row, the schema 1 layout) unless ``all_rows`` is False."""
     g = synthetic_rollout(len(lengths), list(lengths), vocab=VOCAB, prompt_len=3, seed=4)
-    s = synthetic_scored(g, k, vocab=VOCAB, seed=9)
+    s = synthetic_scored(g, k, vocab=VOCAB, seed=9, all_rows=all_rows)
     if fp16:
-        teacher = [synthetic_teacher(q, k, vocab=VOCAB, seed=20 + i, fp16=True) for i, q in enumerate(g.sequences)]
+        teacher = [synthetic_teacher(q, k, vocab=VOCAB, seed=20 + i, fp16=True, all_rows=all_rows)
+                   for i, q in enumerate(g.sequences)]
         s = replace(s, teacher=teacher)
     return s
 
@@ -245,13 +249,14 @@ def test_finite_check_matches_isfinite(dtype: type[np.floating[Any]]) -> None:
 def reference_convention(parts: list[_Convention], limits: Limits) -> None:
     """The position-convention spot check as first written (per-part fancy indexing, one pass)."""
     picked = []
-    for name, ids, lps, sampled, tokens in parts:
+    for name, ids, lps, sampled, labels_of, index in parts:
         n_rows = ids.shape[0]
         if n_rows:
             m = min(limits.check_rows, n_rows)
             rows = np.arange(m) * (n_rows - 1) // max(m - 1, 1)
             rel = FLOAT16_MAX_RELATIVE_ERROR if lps.dtype == np.float16 else 0.0
-            picked.append((name, rows, rel, ids[rows], lps[rows], sampled[rows], tokens[rows + 1]))
+            named = rows if index is None else index[rows]
+            picked.append((name, named, rel, ids[rows], lps[rows], sampled[rows], labels_of[rows]))
     if not picked:
         return
     counts = [len(p[1]) for p in picked]
@@ -294,7 +299,11 @@ def _parts(rng: np.random.Generator, fp16: bool) -> list[_Convention]:
     g = synthetic_rollout(len(lengths), lengths, vocab=40, seed=int(rng.integers(1 << 30)))
     parts: list[_Convention] = []
     for i, q in enumerate(g.sequences):
-        t: TeacherPayload = synthetic_teacher(q, k, vocab=40, seed=int(rng.integers(1 << 30)), fp16=fp16)
+        dense = bool(rng.random() < 0.5)
+        t: TeacherPayload = synthetic_teacher(q, k, vocab=40, seed=int(rng.integers(1 << 30)), fp16=fp16,
+                                              all_rows=dense)
+        index = t.row_index(q.length)
+        labels = q.tokens.numpy()[index + 1]
         ids, lps, sampled = t.topk_ids.numpy().copy(), t.topk_logprobs.numpy().copy(), t.sampled_logprobs.numpy().copy()
         if ids.shape[0] and rng.random() < 0.5:  # corrupt one row one way
             r = int(rng.integers(0, ids.shape[0]))
@@ -306,10 +315,10 @@ def _parts(rng: np.random.Generator, fp16: bool) -> list[_Convention]:
             elif kind == 2:
                 sampled[r] += np.float32(rng.choice([-1e-2, -1e-4, 1e-4, 1e-2, 0.5]))
             elif kind == 3:
-                ids[r, int(rng.integers(0, k))] = q.tokens.numpy()[r + 1]
+                ids[r, int(rng.integers(0, k))] = labels[r]
             else:
                 sampled = np.roll(sampled, 1)
-        parts.append((f"t[{i}]", ids, lps, sampled, q.tokens.numpy()))
+        parts.append((f"t[{i}]", ids, lps, sampled, labels, None if dense else index))
     return parts
 
 
@@ -400,3 +409,70 @@ def test_make_teacher_payload_of_a_checked_result_validates() -> None:
             group=g, status=DistillStatus.OK, teacher=[make_teacher(ids, lps, res.sampled_logprobs, fp16=fp16)], k=3
         )
         validate_teacher_part(s, Limits(vocab_size=10))
+
+
+# --- teacher rows only where the learner trains (schema 2) ------------------------------------------
+
+
+def test_trained_rows_payloads_hold_exactly_the_trained_rows_and_validate() -> None:
+    s = scored(all_rows=False)
+    assert s.teacher is not None
+    for t, q in zip(s.teacher, s.group.sequences, strict=True):
+        trained = np.flatnonzero(q.loss_mask.numpy()[1:])
+        assert t.rows is not None and np.array_equal(t.row_index(q.length), trained)
+        assert t.topk_ids.shape == (trained.shape[0], 5)
+        dense = t.dense_sampled(q.length)  # spread over L - 1 rows, 0.0 where the payload holds none
+        assert dense.shape == (q.length - 1,)
+        assert np.array_equal(dense[trained], t.sampled_logprobs.numpy())
+        assert not dense[np.setdiff1d(np.arange(q.length - 1), trained)].any()
+    for check in (validate_teacher_part, validate_scored):
+        check(s, Limits())
+    assert sum(t.topk_ids.shape[0] for t in s.teacher) < sum(q.length - 1 for q in s.group.sequences)
+
+
+def with_rows(s: ScoredGroup, i: int, rows: npt.NDArray[Any]) -> ScoredGroup:
+    """Sequence ``i``'s payload re-cut to ``rows`` (taken from a dense payload, so values stay consistent)."""
+    assert s.teacher is not None
+    dense = scored()  # same rollout and seed, every row
+    assert dense.teacher is not None
+    t = dense.teacher[i]
+    ts = list(s.teacher)
+    ts[i] = make_teacher(t.topk_ids.numpy()[rows], t.topk_logprobs.numpy()[rows], t.sampled_logprobs.numpy()[rows],
+                         rows=rows)
+    return replace(s, teacher=ts)
+
+
+def test_rows_must_be_increasing_in_range_and_cover_every_trained_row() -> None:
+    s = scored(all_rows=False)
+    assert s.teacher is not None
+    q = s.group.sequences[1]  # 12 tokens, prompt 3: trained rows 2..10
+    trained = np.flatnonzero(q.loss_mask.numpy()[1:]).astype(np.int32)
+    extra = np.concatenate([[0, 1], trained]).astype(np.int32)  # more rows than trained: allowed
+    validate_scored(with_rows(s, 1, extra), Limits())
+    rejects(with_rows(s, 1, trained[::-1].copy()), f"{T1}.rows", "strictly increasing")
+    rejects(with_rows(s, 1, np.concatenate([trained[:1], trained]).astype(np.int32)), f"{T1}.rows",
+            "strictly increasing")
+    missing = np.delete(trained, 3)
+    rejects(with_rows(s, 1, missing), f"{T1}.rows", f"trained row {trained[3]} (loss_mask[{trained[3] + 1}] = 1)")
+    bad = replace(s.teacher[1], rows=Array.from_numpy(np.append(trained, 11).astype(np.int32), INT32))
+    rejects(replace(s, teacher=[s.teacher[0], bad, *s.teacher[2:]]), f"{T1}.rows", "in [0, 11)")
+    short = replace(s.teacher[1], rows=Array.from_numpy(trained[:-1].copy(), INT32))  # arrays longer than rows
+    rejects(replace(s, teacher=[s.teacher[0], short, *s.teacher[2:]]), f"{T1}.rows", "has no teacher row")
+    wrong = replace(s.teacher[1], rows=Array.from_numpy(trained.astype(np.float32), FLOAT32))
+    rejects(replace(s, teacher=[s.teacher[0], wrong, *s.teacher[2:]]), f"{T1}.rows", "dtype")
+
+
+def test_a_payload_cut_to_other_rows_fails_the_convention_check_naming_the_real_row() -> None:
+    s = scored(all_rows=False)
+    dense = scored()
+    assert s.teacher is not None and dense.teacher is not None
+    q, t, d = s.group.sequences[3], s.teacher[3], dense.teacher[3]  # 60 tokens
+    rows = t.row_index(q.length)
+    src = np.minimum(rows + 1, q.length - 2)  # each row carries the next row's answer: misaligned
+    moved = make_teacher(d.topk_ids.numpy()[src], d.topk_logprobs.numpy()[src], d.sampled_logprobs.numpy()[src],
+                         rows=rows)
+    with pytest.raises(DecodeError) as info:
+        validate_scored(replace(s, teacher=[*s.teacher[:3], moved]), Limits(check_rows=64))
+    assert info.value.field == "scored.teacher[3].sampled_logprobs"
+    row = int(info.value.reason.split("row ")[1].split()[0])
+    assert row in rows.tolist() and row >= 2  # a real row of the sequence (trained rows start at 2), not an index
