@@ -75,9 +75,9 @@ def to_torch(
 
     ``topk_dtype``: ``teacher_topk_logprobs`` in float32 (default) or ``torch.bfloat16`` (half the memory,
     8 bits of mantissa; float16 has no room for ``PAD_LOGPROB``, so it is not offered).
-    ``index_dtype``: ``teacher_topk_ids`` as int64 (default, what ``torch.gather`` takes) or ``torch.int32`` (half the memory; the losses widen
-    the rows they use). At ``16 x 8192`` positions and ``k = 256`` the two top-k tensors take 6 GiB as
-    int64 + float32 and 3 GiB as int32 + bfloat16 (bench/RESULTS.md has the measured figures).
+    ``index_dtype``: ``teacher_topk_ids`` as int64 (default, what ``torch.gather`` takes) or ``torch.int32``
+    (half the memory; the losses widen the rows they use). At ``16 x 8192`` positions and ``k = 256`` the
+    two top-k tensors take 384 MiB as int64 + float32 and 192 MiB as int32 + bfloat16.
 
     Raises ``ValueError`` if the batch is empty or its arrays disagree in length with the tokens.
     """
