@@ -106,19 +106,25 @@ def importance_sampled_pg_loss(
 
 def _topk_pair(
     student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Teacher and student logprobs on the top-k ids, ``[B, N, K]`` each, plus the valid-slot mask."""
+) -> torch.Tensor:
+    """The student's logprobs on the teacher's top-k ids, ``[B, N, K]``."""
     if student_logits.shape[:-1] != topk_ids.shape[:-1] or topk_ids.shape != topk_logprobs.shape:
         raise ValueError(
             f"shape mismatch: student_logits {tuple(student_logits.shape)}, topk_ids {tuple(topk_ids.shape)},"
             f" topk_logprobs {tuple(topk_logprobs.shape)} (logits must be [B, N, V], top-k [B, N, K])"
         )
+    lf = student_logits.float()
+    return lf.gather(-1, topk_ids.long()) - torch.logsumexp(lf, dim=-1, keepdim=True)
+
+
+def _valid_pair(
+    student_topk_logprobs: torch.Tensor, topk_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher and student logprobs with ``PAD_LOGPROB`` in the empty slots, and the valid-slot mask."""
     t = topk_logprobs.float()
     valid = t > PAD_LOGPROB / 2
     pad = torch.full_like(t, PAD_LOGPROB)
-    lf = student_logits.float()
-    s = lf.gather(-1, topk_ids.long()) - torch.logsumexp(lf, dim=-1, keepdim=True)
-    return torch.where(valid, t, pad), torch.where(valid, s, pad), valid
+    return torch.where(valid, t, pad), torch.where(valid, student_topk_logprobs, pad), valid
 
 
 def _log1mexp(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,17 +165,33 @@ def topk_forward_kl(
 
     With ``k = V`` all three equal the exact forward KL (up to ``tail_eps``-sized terms).
     """
-    t, s, valid = _topk_pair(student_logits, topk_ids, topk_logprobs)
-    if mode == "unnormalized":
-        per = _kl(t, s, valid)
-    elif mode == "renormalized":
-        per = _kl(t - torch.logsumexp(t, -1, keepdim=True), s - torch.logsumexp(s, -1, keepdim=True), valid)
-    elif mode == "tail":
-        tail_t, tail_s = _tail(t, tail_eps), _tail(s, tail_eps)
-        per = _kl(t, s, valid) + (torch.exp(tail_t) * (tail_t - tail_s)).squeeze(-1)
-    else:
-        raise ValueError(f"unknown top-k KL mode {mode!r}")
+    per = topk_forward_kl_from_logprobs(_topk_pair(student_logits, topk_ids, topk_logprobs), topk_logprobs, mode,
+                                        tail_eps=tail_eps)
     return reduce_masked(per, mask, reduction)
+
+
+def topk_forward_kl_from_logprobs(
+    student_topk_logprobs: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    mode: TopKMode = "tail",
+    *,
+    tail_eps: float = TAIL_EPS,
+) -> torch.Tensor:
+    """Per-position top-k forward KL ``[...]`` from the student's logprobs on the top-k ids ``[..., K]``.
+
+    What ``topk_forward_kl`` computes after its gather, before the reduction (``pipeline.learner.chunked``
+    gathers without ``[B, N, V]`` and calls this); slots whose teacher logprob is ``<= PAD_LOGPROB / 2``
+    are ignored.
+    """
+    t, s, valid = _valid_pair(student_topk_logprobs, topk_logprobs)
+    if mode == "unnormalized":
+        return _kl(t, s, valid)
+    if mode == "renormalized":
+        return _kl(t - torch.logsumexp(t, -1, keepdim=True), s - torch.logsumexp(s, -1, keepdim=True), valid)
+    if mode == "tail":
+        tail_t, tail_s = _tail(t, tail_eps), _tail(s, tail_eps)
+        return _kl(t, s, valid) + (torch.exp(tail_t) * (tail_t - tail_s)).squeeze(-1)
+    raise ValueError(f"unknown top-k KL mode {mode!r}")
 
 
 def _gjsd(log_s: torch.Tensor, log_t: torch.Tensor, valid: torch.Tensor, beta: float) -> torch.Tensor:
@@ -201,9 +223,23 @@ def generalized_jsd(
     ``log(tail_eps)``); without ``tail`` both sides are renormalised over the top-k. Shapes as in
     ``topk_forward_kl``.
     """
+    student = _topk_pair(student_logits, topk_ids, topk_logprobs)
+    per = generalized_jsd_from_logprobs(student, topk_logprobs, beta, tail=tail, tail_eps=tail_eps)
+    return reduce_masked(per, mask, reduction)
+
+
+def generalized_jsd_from_logprobs(
+    student_topk_logprobs: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    beta: float = 0.5,
+    *,
+    tail: bool = True,
+    tail_eps: float = TAIL_EPS,
+) -> torch.Tensor:
+    """Per-position generalised JSD ``[...]`` from the student's logprobs on the top-k ids (no reduction)."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-    t, s, valid = _topk_pair(student_logits, topk_ids, topk_logprobs)
+    t, s, valid = _valid_pair(student_topk_logprobs, topk_logprobs)
     if tail:
         t = torch.cat([t, _tail(t, tail_eps)], dim=-1)
         s = torch.cat([s, _tail(s, tail_eps)], dim=-1)
@@ -211,7 +247,7 @@ def generalized_jsd(
     else:
         t = t - torch.logsumexp(t, -1, keepdim=True)
         s = s - torch.logsumexp(s, -1, keepdim=True)
-    return reduce_masked(_gjsd(s, t, valid, beta), mask, reduction)
+    return _gjsd(s, t, valid, beta)
 
 
 def full_vocab_kl(
