@@ -1,4 +1,4 @@
-"""Issue 9: throughput on a 3-master Redis Cluster with S = 1 and S = 3 shards, and one Redis's ceiling.
+"""Throughput on a 3-master Redis Cluster with S = 1 and S = 3 shards, and one Redis's ceiling.
 
 ``python -m bench.cluster`` starts a ``tests.cluster.LocalCluster`` (3 masters on loopback; AOF is
 switched off with CONFIG SET for the run) and, for each workload and S in (1, 3), runs the stages as

@@ -1,4 +1,4 @@
-"""Feeder throughput vs a bare read-decode-ack loop over the same stream (issue 5; not a test).
+"""Feeder throughput vs a bare read-decode-ack loop over the same stream (not a test).
 
     python -m bench.feeder [--groups 1000] [--seq-len 512] [--k 8] [--rounds 3]
 

@@ -1,4 +1,4 @@
-"""Issue 9: the pipeline on a real 3-master Redis Cluster with sharded stage streams."""
+"""The pipeline on a real 3-master Redis Cluster with sharded stage streams."""
 
 from __future__ import annotations
 

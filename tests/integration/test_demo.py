@@ -1,4 +1,4 @@
-"""The demo end to end (issue 5's acceptance: the held-out reverse KL falls by at least half)."""
+"""The demo end to end (the held-out reverse KL falls by at least half)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4 acceptance: enqueue 20 prompts, run 2 rollout workers, read 20 groups from the rollouts stream."""
+"""Enqueue 20 prompts, run 2 rollout workers, read 20 groups from the rollouts stream."""
 
 from __future__ import annotations
 

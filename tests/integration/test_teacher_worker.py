@@ -1,4 +1,4 @@
-"""Issue 3 acceptance: push -> `distillq worker teacher --backend hf --burst` -> scored stream, checked
+"""Push -> `distillq worker teacher --backend hf --burst` -> scored stream, checked
 against an independent transformers computation."""
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Reliability and security tests (issue 7): faults injected into real processes, figures printed."""
+"""Reliability and security tests: faults injected into real processes, figures printed."""

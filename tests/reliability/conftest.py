@@ -23,7 +23,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "reliability: fault-injection and security tests (issue 7); print figures")
+    config.addinivalue_line("markers", "reliability: fault-injection and security tests; print figures")
 
 
 @pytest.fixture

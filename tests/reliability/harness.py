@@ -47,7 +47,7 @@ def fast_settings(**kw: Any) -> StreamSettings:
     return StreamSettings(**base)
 
 
-#: Every figure line of this session; tests/reliability/conftest.py prints them in the terminal summary,
+#: Every figure line of this test run; tests/reliability/conftest.py prints them in the terminal summary,
 #: so the figures show in any pytest run (CI's included), not only with -s.
 REPORTS: list[str] = []
 
