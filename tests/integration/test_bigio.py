@@ -63,3 +63,43 @@ def test_connection_class_follows_the_url_scheme() -> None:
     assert bigio.connection_class("redis://h:1/0") is bigio.BigIOConnection
     assert bigio.connection_class("rediss://h:1/0") is bigio.BigIOSSLConnection
     assert bigio.connection_class("unix:///tmp/r.sock") is bigio.BigIOUnixConnection
+
+
+# --- the redis-py internals bigio relies on: an upgrade that moves one fails here, naming it -------------
+
+
+def test_redis_py_version_is_in_the_verified_range() -> None:
+    import redis
+
+    version = tuple(int(x) for x in redis.__version__.split(".")[:3])
+    low, high = bigio.VERIFIED
+    assert low <= version < high, (
+        f"redis-py {redis.__version__} is outside the range pipeline/transport/bigio.py was verified on "
+        f"({low} to {high}): re-check the internals below and the gain in bench.transport, then widen VERIFIED"
+    )
+
+
+def test_the_patched_internals_are_where_bigio_expects_them() -> None:
+    import inspect
+
+    from redis.asyncio import connection as rc
+
+    send = inspect.getsource(rc.AbstractConnection.send_packed_command)
+    assert "self._writer.writelines(" in send, "redis-py no longer writes commands with _writer.writelines"
+    connect_src = inspect.getsource(rc.Connection._connect)
+    assert "asyncio.open_connection(" in connect_src and "**self._connection_arguments()" in connect_src, (
+        "redis-py's Connection._connect no longer passes _connection_arguments() to asyncio.open_connection"
+    )
+    ssl_args = inspect.getsource(rc.SSLConnection._connection_arguments)
+    assert "super()._connection_arguments()" in ssl_args, "SSLConnection._connection_arguments changed shape"
+    init = inspect.signature(rc.AbstractConnection.__init__)
+    assert "socket_read_size" in init.parameters, "redis-py connections no longer take socket_read_size"
+    parser = inspect.getsource(rc.AbstractConnection)
+    assert "parser_class(socket_read_size=self._socket_read_size)" in parser, (
+        "redis-py no longer hands socket_read_size to its parser"
+    )
+    for cls in (rc.Connection, rc.UnixDomainSocketConnection):  # _BigIO wraps their _connect, then patches _writer
+        body = inspect.getsource(cls._connect)
+        assert inspect.iscoroutinefunction(cls._connect) and "self._writer = writer" in body, (
+            f"{cls.__name__}._connect no longer sets self._writer from the stream it opens"
+        )
