@@ -3,6 +3,11 @@ under a second on a synthetic arithmetic corpus, and Llama-architecture teacher/
 sharing it. Built once and cached under a git-ignored folder (``.cache/tiny`` by default).
 
 Attention head size is 32 so vLLM's CPU backend can load them too.
+
+``ensure_real_vocab_model`` builds a model of real shape where it matters to a teacher: a Qwen-sized
+vocabulary (151,936 rows of embeddings and lm_head) and 32,768 positions, with hidden size 64 so a CPU
+scores thousands of tokens in seconds. Its folder carries the tiny tokenizer (512 tokens): the model's
+vocabulary exceeds the tokenizer's, as Qwen's does.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import hashlib
 import json
 import os
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,10 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "teacher": (128, 4, 4, 256),
     "student": (64, 2, 2, 128),
 }
+#: The real-shape model: Qwen2/Qwen2.5/Qwen3's padded vocabulary and a long context.
+REAL_VOCAB_SIZE = 151_936
+REAL_MAX_POSITIONS = 32_768
+REAL_SIZE = (64, 2, 2, 128)
 
 
 @dataclass(frozen=True)
@@ -98,11 +109,20 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_model(out: Path, name: str, vocab_size: int, seed: int) -> None:
+def build_model(
+    out: Path,
+    name: str,
+    vocab_size: int,
+    seed: int,
+    *,
+    max_positions: int = 1024,
+    size: tuple[int, int, int, int] | None = None,
+) -> None:
+    """A random-weight ``LlamaForCausalLM`` of ``SIZES[name]`` (or ``size``), saved as safetensors."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden, layers, heads, inter = SIZES[name]
+    hidden, layers, heads, inter = size or SIZES[name]
     cfg = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -110,7 +130,7 @@ def build_model(out: Path, name: str, vocab_size: int, seed: int) -> None:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -139,6 +159,41 @@ def ensure_tiny_models(cache: Path | None = None, seed: int = 0) -> TinyModels:
         AutoTokenizer.from_pretrained(str(tm.tokenizer)).save_pretrained(str(path))
     done.write_text("ok\n")
     return tm
+
+
+def ensure_real_vocab_model(cache: Path | None = None, seed: int = 0) -> Path:
+    """Build (or reuse from the cache) the real-vocabulary model; returns its folder (model + tokenizer).
+
+    Random weights, hidden 64, 2 layers of 2 heads of 32, vocabulary 151,936, 32,768 positions; about
+    80 MB of safetensors, built in a few seconds. Built in a temporary folder and renamed into place, so
+    concurrent builders never see half a model.
+    """
+    spec = json.dumps(
+        {"v": 1, "vocab": REAL_VOCAB_SIZE, "pos": REAL_MAX_POSITIONS, "size": REAL_SIZE, "seed": seed}, sort_keys=True
+    )
+    root = cache or DEFAULT_CACHE
+    path = root / f"realvocab-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+    if (path / "DONE").exists():
+        return path
+    from transformers import AutoTokenizer
+
+    tok_dir = ensure_tiny_models(cache, seed).tokenizer
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=root))
+    tmp.chmod(0o755)
+    try:
+        build_model(tmp, "real", REAL_VOCAB_SIZE, seed, max_positions=REAL_MAX_POSITIONS, size=REAL_SIZE)
+        AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(tmp))
+        (tmp / "DONE").write_text("ok\n")
+        try:
+            tmp.rename(path)
+        except OSError:  # another builder got there first
+            if not (path / "DONE").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def load_causal_lm(path: str | Path) -> Any:

@@ -1,9 +1,17 @@
 """Local transformers teacher: batched forward passes on CPU (or any torch device).
 
-Sequences are sorted by length and chunked so that each forward holds at most ``max_batch_tokens``
-padded tokens (rows x longest row); right padding with an attention mask keeps every real position
-exact under causal attention. Forwards run under ``torch.inference_mode`` in one dedicated worker
-thread (the event loop stays free; torch keeps a single intra-op thread team, and forwards never
+Only the rows a request names are scored (``ScoreRequest.rows``; all ``L - 1`` when it names none), and
+never through a ``[tokens, V]`` array: the base model runs to hidden states, and lm_head + log-softmax +
+top-k run over the wanted rows in chunks of ``chunk_positions`` (``hf_forward``). Tokens after the last
+wanted row are not computed. Requests of one call that share a prefix of at least ``min_shared_prefix``
+tokens (the sequences of a group share their prompt) run it once and continue from its KV cache
+(``hf_prefix``); ``tokens_computed`` and ``rows_computed`` count the work done.
+
+Sequences (continuations, for a shared prefix) are sorted by length and chunked so that each forward
+holds at most ``max_batch_tokens`` padded tokens (rows x longest row, counting a shared prefix in each
+row's length, as its keys and values are); right padding with an attention mask keeps every real
+position exact under causal attention. Forwards run under ``torch.inference_mode`` in one dedicated
+worker thread (the event loop stays free; torch keeps a single intra-op thread team, and forwards never
 compete with each other for the cores).
 """
 
@@ -12,10 +20,10 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
+import structlog
 
 from pipeline.teacher.base import (
     K_OVER_CAP,
@@ -25,6 +33,12 @@ from pipeline.teacher.base import (
     ScoreResult,
     empty_result,
 )
+from pipeline.teacher.hf_prefix import plan_prefix_groups
+
+if TYPE_CHECKING:  # torch is imported when the teacher starts, not when this module is
+    from pipeline.teacher.hf_forward import Forward, Job
+
+log = structlog.get_logger(__name__)
 
 
 def plan_chunks(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
@@ -54,8 +68,27 @@ def load_model(path: str, dtype: str = "float32") -> Any:
     return model
 
 
+def rows_problem(req: ScoreRequest) -> str | None:
+    """Why ``req.rows`` is unusable (not 1-D integers, strictly increasing, in ``[0, L - 1)``), or None."""
+    rows = req.rows
+    if rows is None:
+        return None
+    n = int(req.tokens.shape[0])
+    if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
+        return f"rows must be a 1-D integer array, got {rows.dtype} of shape {rows.shape}"
+    if rows.shape[0] and (int(rows[0]) < 0 or int(rows[-1]) >= n - 1):
+        return f"rows outside [0, {n - 1})"
+    if rows.shape[0] > 1 and not bool((np.diff(rows.astype(np.int64)) > 0).all()):
+        return "rows not strictly increasing"
+    return None
+
+
 class HFTeacher:
-    """A ``TeacherBackend`` running a transformers causal LM in-process. ``max_k`` is the vocabulary size."""
+    """A ``TeacherBackend`` running a transformers causal LM in-process. ``max_k`` is the vocabulary size.
+
+    ``chunk_positions``: rows per lm_head/log-softmax chunk (memory about ``2 x chunk x V x 4`` bytes).
+    ``min_shared_prefix``: the shortest common prefix run once for several requests; 0 turns sharing off.
+    """
 
     def __init__(
         self,
@@ -67,21 +100,29 @@ class HFTeacher:
         num_threads: int | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        chunk_positions: int = 256,
+        min_shared_prefix: int = 32,
     ) -> None:
         if model is None and model_path is None:
             raise ValueError("HFTeacher needs model_path or model")
-        if max_batch_tokens < 1:
-            raise ValueError("max_batch_tokens must be >= 1")
+        if max_batch_tokens < 1 or chunk_positions < 1:
+            raise ValueError("max_batch_tokens and chunk_positions must be >= 1")
+        if min_shared_prefix < 0:
+            raise ValueError("min_shared_prefix must be >= 0")
         self._path = model_path
         self._model = model
         self._identity = identity or (f"hf:{Path(model_path).name}" if model_path else "hf:model")
         self.max_batch_tokens = max_batch_tokens
+        self.chunk_positions = chunk_positions
+        self.min_shared_prefix = min_shared_prefix
         self._num_threads = num_threads
         self._device = device
         self._dtype = dtype
         self._vocab = 0
         self._max_len: int | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._fw: Forward | None = None
+        self._sharing = False
 
     @property
     def identity(self) -> str:
@@ -91,6 +132,26 @@ class HFTeacher:
     def max_k(self) -> int:
         return self._vocab
 
+    @property
+    def tokens_computed(self) -> int:
+        """Real (unpadded) tokens run through the base model since start (a shared prefix counts once)."""
+        return self._fw.counters.tokens_computed if self._fw else 0
+
+    @property
+    def rows_computed(self) -> int:
+        """Rows run through lm_head + log-softmax since start."""
+        return self._fw.counters.rows_computed if self._fw else 0
+
+    @property
+    def split_head(self) -> bool:
+        """True when lm_head runs on gathered rows (False: the model's own logits, the fallback)."""
+        return bool(self._fw and self._fw.split)
+
+    @property
+    def sharing(self) -> bool:
+        """True when shared prefixes run once (``min_shared_prefix > 0`` and the model passed the probe)."""
+        return self._sharing
+
     def _init_thread(self) -> None:
         import torch
 
@@ -98,6 +159,8 @@ class HFTeacher:
             torch.set_num_threads(self._num_threads)
 
     async def start(self) -> None:
+        from pipeline.teacher.hf_forward import ChunkedHead, Forward, probe_sharing, probe_split
+
         self._init_thread()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-teacher", initializer=self._init_thread)
@@ -105,15 +168,23 @@ class HFTeacher:
             self._model = await asyncio.to_thread(load_model, str(self._path), self._dtype)
         self._model.to(self._device)
         self._model.eval()
-        self._vocab = int(self._model.get_output_embeddings().out_features)
+        head = self._model.get_output_embeddings()
+        self._vocab = int(head.out_features)
         max_pos = getattr(self._model.config, "max_position_embeddings", None)
         self._max_len = int(max_pos) if max_pos else None
+        split = probe_split(self._model, self._vocab, self._device)
+        fw = Forward(self._model, ChunkedHead(head, self._vocab, self.chunk_positions), self._device, split)
+        self._sharing = split and self.min_shared_prefix > 0 and probe_sharing(fw, self._vocab)
+        self._fw = fw
+        log.info("hf_teacher_ready", identity=self._identity, vocab=self._vocab, split_head=split,
+                 sharing=self._sharing)  # fmt: skip
 
     async def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._model = None
+        self._fw = None
 
     async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]:
         if not reqs:
@@ -124,7 +195,7 @@ class HFTeacher:
 
     def _reject(self, req: ScoreRequest) -> ScoreFailure | None:
         n = int(req.tokens.shape[0])
-        if self._model is None:
+        if self._model is None or self._fw is None:
             return ScoreFailure("teacher not started", retryable=False)
         if req.k < 1 or req.k > self._vocab:
             return ScoreFailure(f"{K_OVER_CAP}: k={req.k} outside [1, {self._vocab}]", retryable=False)
@@ -135,59 +206,51 @@ class HFTeacher:
         lo, hi = int(req.tokens.min()), int(req.tokens.max())
         if lo < 0 or hi >= self._vocab:
             return ScoreFailure(f"token id outside [0, {self._vocab})", retryable=False)
-        return None
+        bad_rows = rows_problem(req)
+        return None if bad_rows is None else ScoreFailure(bad_rows, retryable=False)
 
     def score_sync(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]:
         """Score ``reqs`` in the calling thread (blocking)."""
+        import torch
+
+        from pipeline.teacher.hf_forward import Job
+
         out: list[ScoreOutcome | None] = [None] * len(reqs)
         todo: list[int] = []
+        jobs: list[Job] = []
         for i, req in enumerate(reqs):
             bad = self._reject(req)
             if bad is not None:
                 out[i] = bad
-            elif req.tokens.shape[0] == 1:
+            elif req.n_rows == 0:
                 out[i] = empty_result(req.k)
             else:
+                rows = req.row_index().astype(np.int64)
+                tokens = req.tokens.astype(np.int32, copy=False)
                 todo.append(i)
-        lengths = [int(reqs[i].tokens.shape[0]) for i in todo]
-        for chunk in plan_chunks(lengths, self.max_batch_tokens):
-            idx = [todo[c] for c in chunk]
-            for i, res in zip(idx, self._forward([reqs[i] for i in idx]), strict=True):
-                out[i] = res
+                jobs.append(Job(tokens[: int(rows[-1]) + 1], rows, tokens[rows + 1].astype(np.int64), req.k))
+        with torch.inference_mode():
+            for idx, res in self._run(jobs):
+                out[todo[idx]] = res
         return [o for o in out if o is not None]
 
-    def _forward(self, reqs: list[ScoreRequest]) -> list[ScoreResult]:
-        import torch
-
-        lens = [int(r.tokens.shape[0]) for r in reqs]
-        width, kmax = max(lens), max(r.k for r in reqs)
-        ids = np.zeros((len(reqs), width), np.int64)
-        mask = np.zeros((len(reqs), width), np.int64)
-        for j, r in enumerate(reqs):
-            ids[j, : lens[j]] = r.tokens
-            mask[j, : lens[j]] = 1
-        with torch.inference_mode():
-            t_ids = torch.from_numpy(ids).to(self._device)
-            t_mask = torch.from_numpy(mask).to(self._device)
-            logits = self._model(input_ids=t_ids, attention_mask=t_mask).logits[:, :-1]
-            # Keep only real rows (row r of sequence j is real when r + 1 < len_j) before the softmax.
-            keep = t_mask[:, 1:].bool()
-            logp = torch.log_softmax(logits[keep].float(), dim=-1)
-            top = torch.topk(logp, kmax, dim=-1, sorted=True)
-            sampled = logp.gather(-1, t_ids[:, 1:][keep].unsqueeze(-1)).squeeze(-1)
-            top_v: npt.NDArray[np.float32] = top.values.cpu().numpy()
-            top_i: npt.NDArray[np.int32] = top.indices.to(torch.int32).cpu().numpy()
-            samp: npt.NDArray[np.float32] = sampled.cpu().numpy()
-        results: list[ScoreResult] = []
-        start = 0
-        for r, n in zip(reqs, lens, strict=True):
-            end = start + n - 1
-            results.append(
-                ScoreResult(
-                    np.ascontiguousarray(top_i[start:end, : r.k]),
-                    np.ascontiguousarray(top_v[start:end, : r.k]),
-                    samp[start:end],
-                )
-            )
-            start = end
-        return results
+    def _run(self, jobs: list[Job]) -> list[tuple[int, ScoreResult]]:
+        """Results by index into ``jobs``: shared-prefix groups over their cache, the rest batched plainly."""
+        fw = self._fw
+        assert fw is not None
+        groups = plan_prefix_groups([j.tokens for j in jobs], self.min_shared_prefix) if self._sharing else []
+        alone = [m for g in groups if g.prefix == 0 for m in g.members] if groups else list(range(len(jobs)))
+        done: list[tuple[int, ScoreResult]] = []
+        for chunk in plan_chunks([int(jobs[m].tokens.shape[0]) for m in alone], self.max_batch_tokens):
+            idx = [alone[c] for c in chunk]
+            done += zip(idx, fw.plain([jobs[i] for i in idx]), strict=True)
+        for g in groups:
+            if g.prefix == 0:
+                continue
+            pre = fw.prefix(jobs[g.members[0]].tokens[: g.prefix])  # None: not a shareable cache after all
+            for chunk in plan_chunks([int(jobs[m].tokens.shape[0]) for m in g.members], self.max_batch_tokens):
+                idx = [g.members[c] for c in chunk]
+                batch = [jobs[i] for i in idx]
+                res = fw.plain(batch) if pre is None else fw.continuation(batch, g.prefix, *pre)
+                done += zip(idx, res, strict=True)
+        return done
