@@ -123,15 +123,43 @@ class _Item:
     req: ScoreRequest
 
 
-def pack(items: list[_Item], max_batch_tokens: int) -> list[list[_Item]]:
+def _cut(items: list[_Item], max_batch_tokens: int) -> list[list[_Item]]:
     """Items sorted longest first, cut into calls of at most ``max_batch_tokens`` padded tokens."""
     calls: list[list[_Item]] = []
     cur: list[_Item] = []
-    for it in sorted(items, key=lambda i: -int(i.req.tokens.shape[0])):
-        if cur and (len(cur) + 1) * int(cur[0].req.tokens.shape[0]) > max_batch_tokens:
+    for it in sorted(items, key=lambda i: -_length(i)):
+        if cur and (len(cur) + 1) * _length(cur[0]) > max_batch_tokens:
             calls.append(cur)
             cur = []
         cur.append(it)
+    if cur:
+        calls.append(cur)
+    return calls
+
+
+def _length(it: _Item) -> int:
+    return int(it.req.tokens.shape[0])
+
+
+def pack(items: list[_Item], max_batch_tokens: int) -> list[list[_Item]]:
+    """Calls of at most ``max_batch_tokens`` padded tokens (rows x longest row; one sequence above the
+    budget goes alone). A group's sequences stay in one call whenever the group fits the budget, so a
+    backend can compute their shared prompt once; groups are placed longest first, and a group larger
+    than the budget is cut on its own, longest sequences first."""
+    by_group: dict[int, list[_Item]] = {}
+    for it in items:
+        by_group.setdefault(it.group, []).append(it)
+    groups = sorted((sorted(g, key=lambda i: -_length(i)) for g in by_group.values()), key=lambda g: -_length(g[0]))
+    calls: list[list[_Item]] = []
+    cur: list[_Item] = []
+    for g in groups:
+        if len(g) * _length(g[0]) > max_batch_tokens:
+            calls += _cut(g, max_batch_tokens)
+            continue
+        if cur and (len(cur) + len(g)) * _length(cur[0]) > max_batch_tokens:  # cur[0] is the call's longest
+            calls.append(cur)
+            cur = []
+        cur += g
     if cur:
         calls.append(cur)
     return calls

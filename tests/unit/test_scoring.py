@@ -334,7 +334,7 @@ async def test_other_sequences_of_failed_group_not_retried() -> None:
 
 async def test_packing_respects_token_budget() -> None:
     rng = np.random.default_rng(1)
-    groups = [group(100 * (g + 1), [int(n) for n in rng.integers(2, 120, 5)]) for g in range(6)]
+    groups = [group(100 * (g + 1), [int(n) for n in rng.integers(2, 30, 5)]) for g in range(6)]
     groups.append(group(900, [400]))  # longer than the budget: goes alone
     teacher = FakeTeacher()
     out, scorer = await run(groups, teacher, max_batch_tokens=300)
@@ -358,6 +358,25 @@ def test_pack_function_covers_all() -> None:
     assert sorted(it.seq for c in calls for it in c) == list(range(6))
     for c in calls:
         assert len(c) == 1 or len(c) * max(int(it.req.tokens.shape[0]) for it in c) <= 60
+
+
+def test_pack_keeps_a_group_in_one_call_when_it_fits() -> None:
+    from pipeline.stages.scoring import _Item
+
+    def items(g: int, lengths: list[int]) -> list[_Item]:
+        return [_Item(g, i, ScoreRequest(np.zeros(n, np.int32), 1)) for i, n in enumerate(lengths)]
+
+    # Interleaved lengths: sorting sequences across groups would split every group over two calls.
+    a, b, c = items(0, [40, 10, 40, 10]), items(1, [30, 35, 30, 35]), items(2, [200, 10])  # c: over the budget
+    calls = pack(a + b + c, 160)
+    where = {(it.group, it.seq): i for i, call in enumerate(calls) for it in call}
+    assert len({where[(0, s)] for s in range(4)}) == 1 and len({where[(1, s)] for s in range(4)}) == 1
+    assert where[(0, 0)] != where[(1, 0)]  # 8 x 40 > 160: the two groups go to separate calls
+    assert [len(call) for call in calls if call[0].group == 2] == [1, 1]  # cut on its own, longest first
+    for call in calls:
+        assert len(call) == 1 or len(call) * max(int(it.req.tokens.shape[0]) for it in call) <= 160
+    small = pack(items(3, [5, 6]) + items(4, [7, 8]), 160)
+    assert len(small) == 1  # small groups still share a call
 
 
 @pytest.mark.parametrize("rule", ["clamp", "drop"])
