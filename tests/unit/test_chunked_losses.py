@@ -368,6 +368,41 @@ def test_tiny_llama_hidden_states_and_lm_head() -> None:
         _close(a, b)
 
 
+def test_real_vocab_model_chunked_losses_equal_the_logits_losses() -> None:
+    """The realistic-shape model (vocabulary 151,936): hidden states + lm_head through the chunked losses
+    equal the losses on the model's own logits, value and lm_head gradient."""
+    from pipeline.models.tinymodels import ensure_real_vocab_model, load_causal_lm
+
+    model = load_causal_lm(ensure_real_vocab_model())
+    v = model.config.vocab_size
+    assert v == 151_936
+    ids = torch.randint(0, v, (2, 160), generator=_gen(3))
+    attention = torch.ones_like(ids)
+    attention[1, -40:] = 0
+    hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    labels, mask = ids[:, 1:], attention[:, 1:].float()
+    mask[:, :50] = 0  # a prompt: untrained positions cost nothing in the chunked path
+    top = torch.randint(0, v, (2, 159, 64), generator=_gen(4))
+    lps = torch.log_softmax(torch.randn(2, 159, 64, generator=_gen(5)), -1) - 2.0
+    w = model.lm_head.weight
+    for chunked, ref in (
+        (lambda: C.topk_forward_kl(hidden[:, :-1], w, top, lps, mask, "tail", chunk_size=64),
+         lambda: L.topk_forward_kl(logits[:, :-1], top, lps, mask, "tail")),
+        (lambda: C.generalized_jsd(hidden[:, :-1], w, top, lps, mask, 0.5, chunk_size=100),
+         lambda: L.generalized_jsd(logits[:, :-1], top, lps, mask, 0.5)),
+    ):
+        got, want = chunked(), ref()
+        (g_got,) = torch.autograd.grad(got, [w], retain_graph=True)
+        (g_want,) = torch.autograd.grad(want, [w], retain_graph=True)
+        _close(got, want)
+        assert g_want.abs().sum() > 0
+        _close(g_got, g_want)
+    got_lp = C.token_logprobs(hidden[:, :-1], w, labels, mask, chunk_size=37)
+    want_lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, labels[..., None])[..., 0] * mask
+    _close(got_lp, want_lp)
+
+
 # --- peak memory at the real vocabulary, in fresh subprocesses ------------------------------------
 
 _CHILD = textwrap.dedent(
