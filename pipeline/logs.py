@@ -1,4 +1,8 @@
-"""structlog configuration: JSON lines in containers (no TTY), readable console output on a terminal."""
+"""structlog configuration: JSON lines in containers (no TTY), readable console output on a terminal.
+
+``configure_logging`` also turns off the Hugging Face progress bars ("Loading weights", "Writing model
+shards"): every entry point calls it first, so worker logs and the demo's output hold log lines only.
+"""
 
 from __future__ import annotations
 
@@ -22,9 +26,34 @@ def _stderr_logger(*args: object) -> StderrLogger:
     return StderrLogger()
 
 
+def quiet_progress_bars() -> None:
+    """No tqdm bars from transformers or huggingface_hub while models load or save.
+
+    ``HF_HUB_DISABLE_PROGRESS_BARS=1`` is read when those libraries are imported (here and in every child
+    process, which inherits it), so nothing is imported just for this; when they are already loaded, their
+    own switches are turned off too. An explicit ``HF_HUB_DISABLE_PROGRESS_BARS=0`` keeps the bars.
+    """
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") != "1":
+        return
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars  # type: ignore[attr-defined]
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
 def configure_logging(level: str | None = None, *, json: bool | None = None) -> None:
-    """Configure structlog once per process. ``DISTILLQ_LOG_LEVEL`` / ``DISTILLQ_LOG_JSON`` override."""
+    """Configure structlog once per process. ``DISTILLQ_LOG_LEVEL`` / ``DISTILLQ_LOG_JSON`` override.
+
+    Raises ``ValueError`` for an unknown level name.
+    """
     level_name = (level or os.environ.get("DISTILLQ_LOG_LEVEL") or "INFO").upper()
+    levels = logging.getLevelNamesMapping()
+    if level_name not in levels:
+        raise ValueError(f"unknown log level {level_name!r}: use DEBUG, INFO, WARNING or ERROR")
     if json is None:
         env = os.environ.get("DISTILLQ_LOG_JSON")
         json = env == "1" if env is not None else not sys.stderr.isatty()
@@ -39,7 +68,8 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
             structlog.processors.format_exc_info if json else structlog.processors.StackInfoRenderer(),
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level_name]),
+        wrapper_class=structlog.make_filtering_bound_logger(levels[level_name]),
         logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+    quiet_progress_bars()

@@ -16,19 +16,30 @@ from workers.common import add_common_args, env, run_stage, shard_plan, standalo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-batch-tokens", type=int, default=int(env("MAX_BATCH_TOKENS", "65536") or 65536))
-    p.add_argument("--max-batch-groups", type=int, default=None)
-    p.add_argument("--token-count", choices=["sum", "padded"], default="sum")
-    p.add_argument("--max-staleness", type=int, default=int(env("MAX_STALENESS", "4") or 4),
-                   help="drop groups more than this many policy versions old (-1: never)")
-    p.add_argument("--missing-distill", choices=["keep", "drop"], default=env("MISSING_DISTILL", "keep"))
-    p.add_argument("--reward-weight", type=float, default=0.0, help="weight of the group-normalised task reward")
-    p.add_argument("--length-bucketing", action="store_true")
-    p.add_argument("--max-wait", type=float, default=2.0, help="flush a partial batch after this many seconds")
-    p.add_argument("--kl-coef", type=float, default=1.0, help="constant KL coefficient (initial one if adaptive)")
-    p.add_argument("--kl-target", type=float, default=None, help="adaptive KL controller target (Ziegler et al.)")
-    p.add_argument("--kl-horizon", type=float, default=10_000.0)
-    p.add_argument("--max-buffered-groups", type=int, default=1024)
+    p.add_argument("--max-batch-tokens", type=int, default=int(env("MAX_BATCH_TOKENS", "65536") or 65536),
+                   metavar="N", help="token budget per batch (env DISTILLQ_MAX_BATCH_TOKENS)")
+    p.add_argument("--max-batch-groups", type=int, default=None, metavar="N",
+                   help="groups per batch at most (default: no limit)")
+    p.add_argument("--token-count", choices=["sum", "padded"], default="sum",
+                   help="how a batch's tokens count: sum of lengths, or padded (sequences x longest)")
+    p.add_argument("--max-staleness", type=int, default=int(env("MAX_STALENESS", "4") or 4), metavar="N",
+                   help="drop groups more than this many policy versions old, -1: never (env DISTILLQ_MAX_STALENESS)")
+    p.add_argument("--missing-distill", choices=["keep", "drop"], default=env("MISSING_DISTILL", "keep"),
+                   help="groups without teacher payload: keep (task reward only) or drop "
+                        "(env DISTILLQ_MISSING_DISTILL)")
+    p.add_argument("--reward-weight", type=float, default=0.0, metavar="W",
+                   help="weight of the group-normalised task reward in the advantages")
+    p.add_argument("--length-bucketing", action="store_true", help="fill batches with groups of similar length")
+    p.add_argument("--max-wait", type=float, default=2.0, metavar="SECONDS",
+                   help="flush a partial batch when its oldest group has waited this long")
+    p.add_argument("--kl-coef", type=float, default=1.0, metavar="C",
+                   help="constant KL coefficient (the initial one if adaptive)")
+    p.add_argument("--kl-target", type=float, default=None, metavar="KL",
+                   help="adaptive KL controller with this target, Ziegler et al. (default: none, constant --kl-coef)")
+    p.add_argument("--kl-horizon", type=float, default=10_000.0, metavar="N",
+                   help="adaptive KL controller horizon")
+    p.add_argument("--max-buffered-groups", type=int, default=1024, metavar="N",
+                   help="scored groups held while waiting for a batch")
     add_common_args(p)
 
 

@@ -26,19 +26,29 @@ log = structlog.get_logger("distillq.rollout")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["vllm", "hf"], default=env("STUDENT_BACKEND", "vllm"))
-    p.add_argument("--model", default=env("STUDENT_MODEL"), help="served model name (vllm) or local path (hf)")
-    p.add_argument("--url", default=env("STUDENT_URL"), help="student vLLM server URL")
-    p.add_argument("--tokenizer", default=env("STUDENT_TOKENIZER"), help="student tokenizer (default: --model)")
-    p.add_argument("--group-size", type=int, default=int(env("GROUP_SIZE", "8") or 8))
-    p.add_argument("--max-tokens", type=int, default=int(env("MAX_TOKENS", "256") or 256))
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--reward", default=env("REWARD", "none"), help=f"reward function ({', '.join(reward_names())})")
-    p.add_argument("--max-jobs", type=int, default=int(env("MAX_JOBS", "4") or 4), help="prompts sampled at once")
-    p.add_argument("--weights-dir", default=env("WEIGHTS_DIR"),
+    p.add_argument("--backend", choices=["vllm", "hf"], default=env("STUDENT_BACKEND", "vllm"),
+                   help="vllm (a student server) or hf (a local transformers model) (env DISTILLQ_STUDENT_BACKEND)")
+    p.add_argument("--model", default=env("STUDENT_MODEL"), metavar="NAME_OR_PATH",
+                   help="required: served model name (vllm) or local path (hf) (env DISTILLQ_STUDENT_MODEL; "
+                        "default: none)")
+    p.add_argument("--url", default=env("STUDENT_URL"),
+                   help="student vLLM server URL, required for vllm (env DISTILLQ_STUDENT_URL; default: none)")
+    p.add_argument("--tokenizer", default=env("STUDENT_TOKENIZER"), metavar="PATH",
+                   help="student tokenizer (env DISTILLQ_STUDENT_TOKENIZER; default: --model)")
+    p.add_argument("--group-size", type=int, default=int(env("GROUP_SIZE", "8") or 8), metavar="N",
+                   help="completions per prompt (env DISTILLQ_GROUP_SIZE)")
+    p.add_argument("--max-tokens", type=int, default=int(env("MAX_TOKENS", "256") or 256), metavar="N",
+                   help="tokens per completion at most (env DISTILLQ_MAX_TOKENS)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
+    p.add_argument("--reward", default=env("REWARD", "none"), metavar="NAME",
+                   help=f"reward function: {', '.join(reward_names())} (env DISTILLQ_REWARD)")
+    p.add_argument("--max-jobs", type=int, default=int(env("MAX_JOBS", "4") or 4), metavar="N",
+                   help="prompts sampled at once (env DISTILLQ_MAX_JOBS)")
+    p.add_argument("--weights-dir", default=env("WEIGHTS_DIR"), metavar="DIR",
                    help="hf backend: reload weights a learner publishes here when the policy version moves; "
-                        "groups are then tagged with the version of the weights actually used")
+                        "groups are then tagged with the version of the weights actually used "
+                        "(env DISTILLQ_WEIGHTS_DIR; default: none, no reloading)")
     add_common_args(p)
 
 

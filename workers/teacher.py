@@ -21,25 +21,40 @@ log = structlog.get_logger("distillq.teacher")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["vllm", "sglang", "hf", "synthetic"], default=env("TEACHER_BACKEND", "vllm"))
-    p.add_argument("--model", default=env("TEACHER_MODEL"), help="model name (vllm) or local path (hf)")
+    p.add_argument("--backend", choices=["vllm", "sglang", "hf", "synthetic"], default=env("TEACHER_BACKEND", "vllm"),
+                   help="vllm, sglang (HTTP servers), hf (local transformers model), synthetic (deterministic fake "
+                        "payloads, for tests and benchmarks) (env DISTILLQ_TEACHER_BACKEND)")
+    p.add_argument("--model", default=env("TEACHER_MODEL"), metavar="NAME_OR_PATH",
+                   help="served model name (vllm, sglang) or local path (hf) (env DISTILLQ_TEACHER_MODEL; default: "
+                        "none, a vLLM server's first model)")
     p.add_argument("--url", action="append", default=None,
-                   help="teacher server URL; repeat for several (env DISTILLQ_TEACHER_URLS, comma-separated)")
-    p.add_argument("--tokenizer", default=env("TEACHER_TOKENIZER"), help="teacher tokenizer path (default: --model)")
-    p.add_argument("--student-tokenizer", default=env("STUDENT_TOKENIZER"),
-                   help="compare vocabularies with this tokenizer at startup; refuse to start if they differ")
-    p.add_argument("--top-k", type=int, default=int(env("TOP_K", "20") or 20))
+                   help="teacher server URL; repeat for several (default: $DISTILLQ_TEACHER_URLS, comma-separated)")
+    p.add_argument("--tokenizer", default=env("TEACHER_TOKENIZER"), metavar="PATH",
+                   help="teacher tokenizer, for the vocabulary check "
+                        "(env DISTILLQ_TEACHER_TOKENIZER; default: --model)")
+    p.add_argument("--student-tokenizer", default=env("STUDENT_TOKENIZER"), metavar="PATH",
+                   help="compare vocabularies with this tokenizer at startup; refuse to start if they differ "
+                        "(env DISTILLQ_STUDENT_TOKENIZER; default: no check)")
+    p.add_argument("--top-k", type=int, default=int(env("TOP_K", "20") or 20), metavar="K",
+                   help="default k; a group's group_overrides.teacher_top_k replaces it (env DISTILLQ_TOP_K)")
     p.add_argument("--max-batch-tokens", type=int, default=int(env("TEACHER_MAX_BATCH_TOKENS", "16384") or 16384),
-                   help="padded tokens per teacher call")
-    p.add_argument("--concurrency", type=int, default=int(env("TEACHER_CONCURRENCY", "8") or 8),
-                   help="requests in flight per teacher server / backend calls at once")
-    p.add_argument("--timeout", type=float, default=float(env("TEACHER_TIMEOUT_S", "120") or 120))
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--k-over-cap", choices=["clamp", "drop"], default=env("K_OVER_CAP", "clamp"))
+                   metavar="N", help="padded tokens per teacher call (env DISTILLQ_TEACHER_MAX_BATCH_TOKENS)")
+    p.add_argument("--concurrency", type=int, default=int(env("TEACHER_CONCURRENCY", "8") or 8), metavar="N",
+                   help="teacher calls in flight per worker; the hf backend makes one at a time "
+                        "(env DISTILLQ_TEACHER_CONCURRENCY)")
+    p.add_argument("--timeout", type=float, default=float(env("TEACHER_TIMEOUT_S", "120") or 120), metavar="SECONDS",
+                   help="seconds per request, HTTP backends (env DISTILLQ_TEACHER_TIMEOUT_S)")
+    p.add_argument("--retries", type=int, default=3, metavar="N",
+                   help="extra attempts for a retryable teacher failure; then the group's payload is dropped")
+    p.add_argument("--k-over-cap", choices=["clamp", "drop"], default=env("K_OVER_CAP", "clamp"),
+                   help="a group asking for more than the server's logprob cap: clamp to the cap, or drop its "
+                        "payload (env DISTILLQ_K_OVER_CAP)")
     p.add_argument("--fp16-topk", action="store_true", help="carry top-k logprobs as float16")
     p.add_argument("--on-drop", choices=["pass", "dlq"], default=env("ON_DROP", "pass"),
-                   help="groups whose payload was dropped: pass on without payload (default) or dead-letter")
-    p.add_argument("--synthetic-latency", type=float, default=0.0, help="synthetic backend: seconds per call")
+                   help="groups whose payload was dropped: pass them on without payload, or dead-letter them "
+                        "(env DISTILLQ_ON_DROP)")
+    p.add_argument("--synthetic-latency", type=float, default=0.0, metavar="SECONDS",
+                   help="synthetic backend: seconds per call")
     add_common_args(p)
 
 

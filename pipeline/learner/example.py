@@ -139,7 +139,7 @@ def optimiser_step(
     loss.backward()  # type: ignore[no-untyped-call]
     torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
     opt.step()
-    return float(loss), float(pg), float(kd)
+    return float(loss.detach()), float(pg.detach()), float(kd.detach())  # float() of a grad tensor warns
 
 
 def _emit(rec: dict[str, float], history: list[dict[str, float]], out: Any,

@@ -58,7 +58,7 @@ def train_teacher(
         opt.step()
         sched.step()
         if progress is not None:
-            progress(step, float(loss))
+            progress(step, float(loss.detach()))  # float() of a tensor that requires grad warns
     model.eval()
     tmp = out.with_suffix(f".tmp{time.time_ns()}")
     model.save_pretrained(str(tmp), safe_serialization=True)

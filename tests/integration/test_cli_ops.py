@@ -382,14 +382,14 @@ async def test_push_good_file_lands_on_the_stream(
     groups = [synthetic_rollout(2, 9, prompt_len=3, group_id=f"p{i}", seed=i) for i in range(3)]
     path = tmp_path / "groups.jsonl"
     path.write_text("\n".join(json.dumps(to_atropos(g)) for g in groups) + "\n\n")
-    code, _, err = await cli(capsys, redis_url, keys, "push", str(path))
-    assert code == 0 and "pushed 3 group(s) onto rollouts" in err
+    code, out, err = await cli(capsys, redis_url, keys, "push", str(path))
+    assert code == 0 and out == "pushed 3 group(s) onto rollouts\n" and err == ""  # success goes to stdout
     rows = await r.xrange(keys.stream("rollouts"))
     back = [decode(f[b"d"], expect=RolloutGroup) for _, f in rows]
     assert [g.group_id for g in back] == ["p0", "p1", "p2"]
     assert back[1].sequences[1].tokens.numpy().tolist() == groups[1].sequences[1].tokens.numpy().tolist()
-    code, _, err = await cli(capsys, redis_url, keys, "push", str(path))
-    assert code == 0 and "3 already present, skipped" in err and await r.xlen(keys.stream("rollouts")) == 3
+    code, out, _ = await cli(capsys, redis_url, keys, "push", str(path))
+    assert code == 0 and "3 already present, skipped" in out and await r.xlen(keys.stream("rollouts")) == 3
 
 
 async def test_push_bad_line_pushes_nothing(
@@ -405,3 +405,74 @@ async def test_push_bad_line_pushes_nothing(
     assert "line 2: invalid JSON" in err and "line 4: masks[0]" in err and "line 1" not in err
     assert "nothing pushed: 2 bad line(s)" in err
     assert await r.xlen(keys.stream("rollouts")) == 0
+
+
+def _without_group_id(group: RolloutGroup) -> dict[str, Any]:
+    obj = to_atropos(group)
+    del obj["group_id"]
+    return obj
+
+
+async def test_push_lines_without_group_id_get_a_content_id_and_repush_is_deduplicated(
+    r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    a, b = (_without_group_id(synthetic_rollout(2, 8, prompt_len=3, seed=s)) for s in (1, 2))
+    path = tmp_path / "nogid.jsonl"
+    path.write_text(f"{json.dumps(a)}\n{json.dumps(b)}\n")
+    code, out, _ = await cli(capsys, redis_url, keys, "push", str(path))
+    assert code == 0 and out == "pushed 2 group(s) onto rollouts\n"
+    ids = [decode(f[b"d"], expect=RolloutGroup).group_id for _, f in await r.xrange(keys.stream("rollouts"))]
+    assert len(set(ids)) == 2 and all(i.startswith("sha256-") and len(i) == len("sha256-") + 32 for i in ids)
+
+    # The same content again, keys in another order and spaced differently: the same ids, nothing added.
+    reordered = tmp_path / "again.jsonl"
+    reordered.write_text("\n".join(json.dumps(dict(reversed(list(o.items()))), indent=None, separators=(", ", ": "))
+                                   for o in (b, a)) + "\n")
+    code, out, _ = await cli(capsys, redis_url, keys, "push", str(reordered))
+    assert code == 0 and out == "pushed 0 group(s) onto rollouts (2 already present, skipped)\n"
+    assert await r.xlen(keys.stream("rollouts")) == 2
+
+    changed = dict(a, scores=[s + 1.0 for s in a["scores"]])  # other content: another id
+    path.write_text(json.dumps(changed) + "\n")
+    code, out, _ = await cli(capsys, redis_url, keys, "push", str(path))
+    assert code == 0 and out == "pushed 1 group(s) onto rollouts\n" and await r.xlen(keys.stream("rollouts")) == 3
+
+
+async def test_push_empty_file_says_so_and_fails(
+    r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "empty.jsonl"
+    for text in ("", "\n  \n"):
+        path.write_text(text)
+        code, out, err = await cli(capsys, redis_url, keys, "push", str(path))
+        assert (code, out, err) == (1, "", f"distillq: no groups in {path}; nothing pushed\n")
+    assert not await r.exists(keys.stream("rollouts"))
+
+
+@pytest.mark.parametrize("stream", ["batches", "dlq"])
+async def test_push_onto_a_stream_that_takes_no_groups_is_a_usage_error(
+    keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, stream: str
+) -> None:
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(to_atropos(synthetic_rollout(1, 6, prompt_len=2, group_id="g"))) + "\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["push", str(path), "--stream", stream, "--redis-url", redis_url, "--namespace", keys.namespace])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2
+    assert f"argument --stream: cannot push onto '{stream}': it is written by the" in err
+    assert "push groups onto rollouts or scored" in err and "bad line" not in err
+
+
+async def test_tail_of_an_empty_stream_says_so_on_stderr(
+    r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = await cli(capsys, redis_url, keys, "tail", "scored")
+    assert (code, out, err) == (0, "", "(stream scored is empty)\n")
+    code, out, err = await cli(capsys, redis_url, keys, "tail", "dlq", "--json")
+    assert (code, out, err) == (0, "", "(stream dlq is empty)\n")
+    await StreamProducer(r, keys, "rollouts").send(synthetic_rollout(1, 6, group_id="only"))
+    code, out, err = await cli(capsys, redis_url, keys, "tail", "rollouts", "--group-id", "other")
+    assert (code, out) == (0, "") and err == "(none of the newest 1 entries of stream rollouts match)\n"
+    code, out, err = await cli(capsys, redis_url, keys, "tail", "rollouts")
+    assert code == 0 and "group=only" in out and err == ""

@@ -13,22 +13,27 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from rich.console import Console
-
-from pipeline.ops.cli.common import add_redis_args
+from pipeline.config import redis_settings
+from pipeline.ops.cli.common import add_command, ensure_reachable, make_console, run
 from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.transport.connection import mask_url
 
-console = Console(stderr=True)
-
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="run the whole pipeline on this machine (embedded Redis unless --redis-url)")
-    p.add_argument("--steps", type=int, default=150, help="learner steps (default 150)")
-    p.add_argument("--rollout-workers", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("demo-output"), help="report, plot, logs (default demo-output/)")
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds the pipeline may run (default 240)")
-    add_redis_args(p)
+    p = add_command(sub, "demo", "run the whole pipeline on this machine (embedded Redis unless --redis-url)",
+                    "Run the pipeline end to end with tiny models: train a tiny teacher (cached), enqueue prompts, run "
+                    "rollout, teacher and feeder workers and an example learner as separate processes on an embedded "
+                    "Redis, then write a report, a plot and the logs to --out.")
+    p.add_argument("--steps", type=int, default=150, metavar="N", help="learner steps")
+    p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
+    p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
+                   help="output directory: report.json, reverse_kl.png, metrics.jsonl, logs/")
+    p.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS", help="seconds the pipeline may run")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
+                        "loopback port, stopped at the end)")
+    p.add_argument("--namespace", default=None, metavar="NS",
+                   help="key namespace (default: $DISTILLQ_NAMESPACE or demo)")
     p.set_defaults(func=main)
 
 
@@ -42,12 +47,14 @@ def main(args: argparse.Namespace) -> int:
     from pipeline.ops.demo import DemoConfig, plot, report, run_pipeline
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    console = make_console(stderr=True)  # on a file or pipe: as wide as the report, nothing wrapped
     t0 = time.monotonic()
     embedded = None
     try:
         url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
         if url:
             console.print(f"using Redis at {mask_url(url)}")
+            run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
         else:
             embedded = EmbeddedRedis().start()
             url = embedded.url

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 
 from pipeline.config import StreamSettings
-from pipeline.ops.cli.common import add_redis_args, run, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, run, with_redis
+from pipeline.ops.cli.errors import EXIT_USAGE, CliError
 from pipeline.ops.inspect import one_line, summarize_entry, summarize_message
 from pipeline.ops.streamstats import server_time
 from pipeline.transport.claimcheck import encode_header
@@ -35,6 +37,8 @@ TARGETS: Final[dict[str, tuple[type[Message], ...]]] = {
     "rollouts": (RolloutGroup,), "scored": (ScoredGroup,), "batches": (BatchManifest, TrainBatch),
 }
 _PAGE: Final = 100
+#: A stream entry id: milliseconds, optionally ``-sequence`` (each part fits 64 bits).
+ENTRY_ID: Final = re.compile(r"[0-9]{1,19}(-[0-9]{1,19})?")
 
 # Count entries with id <= ARGV[1] in pages, server-side (dead letters carry whole payloads).
 _COUNT_UPTO: Final = """
@@ -50,32 +54,55 @@ end
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("dlq", help="list, show, replay or purge dead letters")
+    p = add_command(sub, "dlq", "list, show, replay or purge dead letters",
+                    "Inspect dead letters (entries a stage could not handle, with the reason), re-validate and "
+                    "replay them onto their stream, or delete them. distillq dlq ACTION --help for each action.")
     dsub = p.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
 
-    ls = dsub.add_parser("list", help="the newest dead letters, oldest first")
-    ls.add_argument("--count", "-n", type=int, default=20, help="entries to show (default 20)")
-    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls = add_command(dsub, "list", "the newest dead letters, oldest first",
+                     "List the newest dead letters, oldest first: group id, stage, source stream, deliveries and "
+                     "reason. The total goes to stderr.")
+    ls.add_argument("--count", "-n", type=int, default=20, metavar="N", help="entries to show")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line (with the payload size)")
     ls.set_defaults(func=main_list)
 
-    show = dsub.add_parser("show", help="every field of one dead letter and its decoded payload")
-    show.add_argument("entry_id")
-    show.add_argument("--json", action="store_true")
+    show = add_command(dsub, "show", "every field of one dead letter and its decoded payload",
+                       "Show every field of one dead letter, and its payload decoded and summarised (or why it "
+                       "does not decode). Exit status 1 if there is no such entry.")
+    show.add_argument("entry_id", metavar="ENTRY_ID", help="the dead letter's entry id, as dlq list shows it "
+                      "(e.g. 1732451234567-0)")
+    show.add_argument("--json", action="store_true", help="one JSON object")
     show.set_defaults(func=main_show)
 
-    rp = dsub.add_parser("replay", help="re-validate dead letters and write them back to their stream")
-    rp.add_argument("entry_ids", nargs="*", metavar="ENTRY_ID")
+    rp = add_command(dsub, "replay", "re-validate dead letters and write them back to their stream",
+                     "Re-validate each dead letter's original payload against its target stream, write it there "
+                     "(without the dedupe check; backpressure still applies) and delete the dead letter only after "
+                     "that write. Entries still invalid stay, with the reason printed.")
+    rp.add_argument("entry_ids", nargs="*", metavar="ENTRY_ID",
+                    help="dead letters to replay (default: none; give ids or --all)")
     rp.add_argument("--all", action="store_true", help="every dead letter")
-    rp.add_argument("--to", choices=sorted(TARGETS), default=None, help="target stream (default: each one's source)")
+    rp.add_argument("--to", choices=sorted(TARGETS), default=None,
+                    help="target stream (default: each entry's source)")
     rp.set_defaults(func=main_replay)
 
-    pg = dsub.add_parser("purge", help="delete dead letters")
-    pg.add_argument("--older-than", type=float, default=None, metavar="SECONDS", help="only entries older than this")
+    pg = add_command(dsub, "purge", "delete dead letters",
+                     "Delete all dead letters, or those older than --older-than. Asks for confirmation on a "
+                     "terminal unless --yes.")
+    pg.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
+                    help="only entries older than this (default: all)")
     pg.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     pg.set_defaults(func=main_purge)
 
     for leaf in (ls, show, rp, pg):
         add_redis_args(leaf)
+
+
+def check_entry_ids(command: str, ids: list[str]) -> None:
+    """A ``CliError`` (exit status 2) for an id that is not a stream entry id (``<ms>-<seq>``)."""
+    for eid in ids:
+        if not ENTRY_ID.fullmatch(eid):
+            raise CliError(f"dlq {command}: {eid!r} is not an entry id: they look like 1732451234567-0 "
+                           "(see distillq dlq list)", EXIT_USAGE)
 
 
 def _s(b: bytes | None) -> str:
@@ -258,6 +285,7 @@ def main_list(args: argparse.Namespace) -> int:
 
 
 def main_show(args: argparse.Namespace) -> int:
+    check_entry_ids("show", [args.entry_id])
     return run(with_redis(args, lambda r, k: dlq_show(r, k, args)))
 
 
@@ -265,6 +293,7 @@ def main_replay(args: argparse.Namespace) -> int:
     if args.all == bool(args.entry_ids):
         print("dlq replay: give ENTRY_ID ... or --all (not both)", file=sys.stderr)
         return 2
+    check_entry_ids("replay", args.entry_ids)
     return run(with_redis(args, lambda r, k: dlq_replay(r, k, args)))
 
 

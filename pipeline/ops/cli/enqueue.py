@@ -11,19 +11,29 @@ import sys
 from pathlib import Path
 
 import msgspec
-from rich.console import Console
+from rich.markup import escape
 
-from pipeline.ops.cli.common import add_redis_args, redis_settings_from_args, run
-from pipeline.transport.jobs import PROMPT_DECODER, PromptJob, enqueue_prompts
-from pipeline.transport.keys import Keys
-
-err = Console(stderr=True)
+from pipeline.ops.cli.common import (
+    add_command,
+    add_redis_args,
+    ensure_reachable,
+    make_console,
+    namespace_keys,
+    read_input,
+    redis_settings_from_args,
+    run,
+)
+from pipeline.ops.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
+from pipeline.transport.jobs import PROMPT_DECODER, PromptJob, arq_settings, enqueue_prompts
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("enqueue", help="enqueue prompts (JSONL: id, prompt or messages, answer) as rollout jobs")
-    p.add_argument("file", type=Path, help="JSONL file ('-' for stdin)")
-    p.add_argument("--epoch", type=int, default=0)
+    p = add_command(sub, "enqueue", "enqueue prompts (JSONL: id, prompt or messages, answer) as rollout jobs",
+                    "Enqueue one rollout job per prompt line (id plus prompt or messages) for the rollout workers. "
+                    "Every line is validated first; nothing is enqueued if any is bad. Idempotent per (epoch, id).")
+    p.add_argument("file", type=Path, help="JSONL file, one prompt object per line ('-' for stdin)")
+    p.add_argument("--epoch", type=int, default=0, metavar="N",
+                   help="epoch of these jobs: a new epoch samples the same prompt ids again")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -49,14 +59,23 @@ def parse_prompts(lines: list[str]) -> tuple[list[PromptJob], list[str]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
-    jobs, errors = parse_prompts(text.splitlines())
+    jobs, errors = parse_prompts(read_input(args.file).splitlines())
     if errors:
+        err = make_console(stderr=True)
         for e in errors:
-            err.print(f"[red]error[/red] {args.file}: {e}", highlight=False)
-        err.print(f"nothing enqueued: {len(errors)} bad line(s)")
-        return 1
+            err.print(f"[red]error[/red] {escape(f'{args.file}: {e}')}", highlight=False)
+        err.print(f"nothing enqueued: {len(errors)} bad line(s)", highlight=False)
+        return EXIT_FAILED
+    if not jobs:
+        raise CliError(f"no prompts in {args.file}; nothing enqueued", EXIT_FAILED)
     rs = redis_settings_from_args(args)
-    new, old = run(enqueue_prompts(rs, Keys(rs.namespace), jobs, epoch=args.epoch))
-    err.print(f"enqueued {new} prompt(s) for epoch {args.epoch}" + (f"; {old} already enqueued" if old else ""))
+    keys = namespace_keys(rs)
+    try:
+        arq_settings(rs)
+    except ValueError as e:  # a Cluster URL for the job queue
+        raise CliError(str(e), EXIT_USAGE) from e
+    run(ensure_reachable(rs, rs.jobs_redis_url))  # arq would retry and log five times first
+    new, old = run(enqueue_prompts(rs, keys, jobs, epoch=args.epoch))
+    print(f"enqueued {new} prompt(s) for epoch {args.epoch}" + (f"; {old} already enqueued" if old else ""),
+          file=sys.stdout, flush=True)
     return 0

@@ -1,4 +1,8 @@
-"""``distillq`` entry point: one subcommand per module."""
+"""``distillq`` entry point: one subcommand per module.
+
+Failures a user can act on (Redis unreachable, an unreadable file, an invalid setting) are caught here, in
+one place, and printed as one line on stderr with the exit status docs/cli.md gives (``errors.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,24 +11,50 @@ import sys
 from collections.abc import Sequence
 
 from pipeline.logs import configure_logging
+from pipeline.ops.cli.errors import EXIT_INTERRUPTED, EXIT_USAGE, describe
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from pipeline.ops.cli import demo, dlq, enqueue, push, shards, stats, tail, up, worker
+    from workers.common import HelpFormatter
 
-    parser = argparse.ArgumentParser(prog="distillq", description="Redis-streams pipeline for on-policy distillation")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    parser = argparse.ArgumentParser(
+        prog="distillq", formatter_class=HelpFormatter,
+        description="Redis-streams pipeline for on-policy distillation. Every command, flag, environment variable "
+                    "and exit status: docs/cli.md; distillq COMMAND --help for one command.")
+    parser.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        help="DEBUG, INFO, WARNING or ERROR (default: $DISTILLQ_LOG_LEVEL or INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (demo, enqueue, push, tail, up, worker, stats, dlq, shards):
         module.add_parser(sub)
     return parser
 
 
+def _fail(message: str) -> None:
+    print(f"distillq: {message}", file=sys.stderr, flush=True)  # plain print: never wrapped, never styled
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    code: int = args.func(args)
+    try:
+        configure_logging(args.log_level)
+    except ValueError as e:  # DISTILLQ_LOG_LEVEL=LOUD
+        _fail(str(e))
+        return EXIT_USAGE
+    try:
+        code: int = args.func(args)
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # what describe() does not know is re-raised: a bug keeps its traceback
+        failure = describe(e, args)
+        if failure is None:
+            raise
+        _fail(failure[0])
+        return failure[1]
     return code
 
 

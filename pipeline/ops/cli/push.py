@@ -1,41 +1,72 @@
 """``distillq push FILE.jsonl``: reference-format ScoredDataGroup lines onto a stream.
 
 Every line is validated first; if any line is bad, each bad line is reported with its number and
-reason and nothing from the file is pushed.
+reason and nothing from the file is pushed. A line without a ``group_id`` gets one derived from its
+content, so pushing the same file again is deduplicated like any other re-push.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any, Final
 
 import redis.asyncio as aioredis
-from rich.console import Console
+from rich.markup import escape
 
 from pipeline.config import StreamSettings
-from pipeline.ops.cli.common import add_redis_args, run, stream_name, with_redis
-from pipeline.transport.keys import Keys
+from pipeline.ops.cli.common import add_command, add_redis_args, make_console, read_input, run, with_redis
+from pipeline.ops.cli.errors import EXIT_FAILED, CliError
+from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, StreamProducer
 from pipeline.transport.sharding import get_shards
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
 from schemas.atropos import rollout_from_atropos
 
-err = Console(stderr=True)
+#: The streams groups can be pushed onto, and who writes the others.
+PUSHABLE: Final = ("rollouts", "scored")
+_WRITTEN_BY: Final = {"batches": "the feeder (batches of scored groups)", "dlq": "the workers (dead letters)"}
+DERIVED_PREFIX: Final = "sha256-"
+
+
+def push_stream(value: str) -> str:
+    if value in PUSHABLE:
+        return value
+    if value in STREAMS:
+        raise argparse.ArgumentTypeError(
+            f"cannot push onto {value!r}: it is written by {_WRITTEN_BY[value]}; push groups onto rollouts or scored")
+    raise argparse.ArgumentTypeError(f"unknown stream {value!r}; choose rollouts or scored")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("push", help="push reference-format ScoredDataGroup JSON lines onto a stream")
+    p = add_command(sub, "push", "push reference-format ScoredDataGroup JSON lines onto a stream",
+                    "Push reference-format ScoredDataGroup JSON lines onto rollouts (the teacher scores them) or "
+                    "scored (they carry teacher arrays and go straight to the feeder). Every line is validated "
+                    "first; nothing is pushed if any is bad. Idempotent by group id; a line without group_id gets "
+                    "one derived from its content.")
     p.add_argument("file", type=Path, help="JSONL file, one ScoredDataGroup object per line ('-' for stdin)")
-    p.add_argument("--stream", type=stream_name, default="rollouts", help="rollouts (default) or scored")
-    p.add_argument("--policy-version", type=int, default=0)
+    p.add_argument("--stream", type=push_stream, default="rollouts", metavar="{rollouts,scored}",
+                   help="rollouts: teacher arrays in the input are validated, then left out, and the teacher scores "
+                        "the group; scored: every line must carry distill_token_ids/distill_logprobs")
+    p.add_argument("--policy-version", type=int, default=0, metavar="N",
+                   help="policy version for lines without policy_version")
     add_redis_args(p)
     p.set_defaults(func=main)
 
 
+def content_group_id(obj: dict[str, Any]) -> str:
+    """A stable group id for a line without one: the SHA-256 of its canonical JSON (keys sorted, no spaces)."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return DERIVED_PREFIX + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list[Message], list[str]]:
     """All messages, or the list of errors (``line N: reason``) if any line is bad."""
+    if stream not in PUSHABLE:
+        raise ValueError(f"cannot push groups onto {stream!r}; use rollouts or scored")
     msgs: list[Message] = []
     errors: list[str] = []
     for n, line in enumerate(lines, 1):
@@ -45,7 +76,8 @@ def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list
             obj = json.loads(line)
             if not isinstance(obj, dict):
                 raise DecodeError("line", f"expected a JSON object, got {type(obj).__name__}")
-            msg = rollout_from_atropos(obj, policy_version=policy_version)
+            gid = None if obj.get("group_id") else content_group_id(obj)
+            msg = rollout_from_atropos(obj, group_id=gid, policy_version=policy_version)
         except json.JSONDecodeError as e:
             errors.append(f"line {n}: invalid JSON: {e.msg} at column {e.colno}")
             continue
@@ -61,8 +93,6 @@ def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list
             errors.append(f"line {n}: no distill_token_ids/distill_logprobs; cannot push to 'scored'")
             continue
         msgs.append(msg)
-    if stream not in ("rollouts", "scored"):
-        errors.append(f"cannot push groups onto {stream!r}; use rollouts or scored")
     return msgs, errors
 
 
@@ -79,13 +109,16 @@ async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Me
 
 
 def main(args: argparse.Namespace) -> int:
-    text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
-    msgs, errors = parse_file(text.splitlines(), args.stream, args.policy_version)
+    msgs, errors = parse_file(read_input(args.file).splitlines(), args.stream, args.policy_version)
     if errors:
+        err = make_console(stderr=True)
         for e in errors:
-            err.print(f"[red]error[/red] {args.file}: {e}", highlight=False)
-        err.print(f"nothing pushed: {len(errors)} bad line(s)")
-        return 1
+            err.print(f"[red]error[/red] {escape(f'{args.file}: {e}')}", highlight=False)
+        err.print(f"nothing pushed: {len(errors)} bad line(s)", highlight=False)
+        return EXIT_FAILED
+    if not msgs:
+        raise CliError(f"no groups in {args.file}; nothing pushed", EXIT_FAILED)
     added, dup = run(with_redis(args, lambda r, k: push_all(r, k, args.stream, msgs)))
-    err.print(f"pushed {added} group(s) onto {args.stream}" + (f" ({dup} already present, skipped)" if dup else ""))
+    print(f"pushed {added} group(s) onto {args.stream}" + (f" ({dup} already present, skipped)" if dup else ""),
+          file=sys.stdout, flush=True)
     return 0

@@ -9,15 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.ops.cli.common import add_redis_args, run, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, run, with_redis
 from pipeline.transport.sharding import ShardConfigError, get_shards, set_shards
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("shards", help="show or set how many shards the rollouts and scored streams have")
-    p.add_argument("action", choices=["get", "set"], nargs="?", default="get")
-    p.add_argument("count", type=int, nargs="?", help="with set: the new shard count")
-    p.add_argument("--force", action="store_true", help="set even if entries would be stranded")
+    p = add_command(sub, "shards", "show or set how many shards the rollouts and scored streams have",
+                    "Show or set the shard count of the rollouts and scored streams (kept in Redis; workers read it "
+                    "when they start). To change it: stop the producers, let the pipeline drain (distillq stats), "
+                    "set it, then restart the workers.")
+    p.add_argument("action", choices=["get", "set"], nargs="?", default="get",
+                   help="get: print the shard count (1 when never set); set: change it to COUNT")
+    p.add_argument("count", type=int, nargs="?", metavar="COUNT",
+                   help="with set: the new shard count, 1 to 1024 (default: none, required with set)")
+    p.add_argument("--force", action="store_true",
+                   help="set even while rollouts or scored hold entries (they would be stranded on shards nobody "
+                        "reads)")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -34,5 +41,5 @@ def main(args: argparse.Namespace) -> int:
     except ShardConfigError as e:
         print(f"distillq shards: {e}", file=sys.stderr)
         return 1
-    print(f"shards: {old} -> {args.count}; restart the workers so they read it", file=sys.stderr)
+    print(f"shards: {old} -> {args.count}; restart the workers so they read it")
     return 0

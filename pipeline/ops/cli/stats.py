@@ -12,21 +12,26 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.ops.cli.common import add_redis_args, run, stream_name, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, make_console, run, stream_name, with_redis
 from pipeline.ops.streamstats import Snapshot, collect, with_rates
 from pipeline.transport.keys import STREAMS, Keys
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("stats", help="stream lengths, consumer groups, lag, dead letters, throughput, workers")
+    p = add_command(sub, "stats", "stream lengths, consumer groups, lag, dead letters, throughput, workers",
+                    "Show, per stream, its length, memory and added/s, and for its consumer group the lag, pending "
+                    "entries, oldest pending age and read/s; then consumers, live workers and the dead-letter count. "
+                    "On a terminal --watch redraws in place; in a file or pipe each refresh is printed in turn.")
     p.add_argument("streams", nargs="*", type=stream_name, metavar="STREAM",
                    help=f"streams to show (default: all of {', '.join(STREAMS)})")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
-                   help="refresh every SECONDS (default 2) until Ctrl-C; shows live rates")
-    p.add_argument("--refreshes", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
+                   help="refresh every SECONDS until Ctrl-C, with live rates (default: off; 2 when given "
+                        "without a value)")
+    p.add_argument("--refreshes", type=int, default=None, metavar="N",
+                   help="with --watch: stop after N refreshes (default: unlimited)")
     p.add_argument("--json", action="store_true", help="JSON (one object per refresh with --watch)")
     p.add_argument("--window", type=float, default=60.0, metavar="SECONDS",
-                   help="throughput window for one-shot figures (default 60)")
+                   help="throughput window for one-shot figures")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -112,7 +117,8 @@ def _streams(args: argparse.Namespace) -> list[str]:
 async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
     prev: Snapshot | None = None
     n = 0
-    live: Live | None = None if args.json else Live(console=console, auto_refresh=False)
+    redraw = not args.json and console.is_terminal  # in a file or a pipe, each refresh is printed in turn
+    live: Live | None = Live(console=console, auto_refresh=False) if redraw else None
     try:
         if live is not None:
             live.start()
@@ -120,8 +126,11 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
             snap = with_rates(prev, await collect(redis, keys, _streams(args), window_s=args.window))
             if live is not None:
                 live.update(render(snap), refresh=True)
-            else:
+            elif args.json:
                 print(json.dumps(snap.to_json()), flush=True)
+            else:
+                console.print(render(snap))
+                console.print()
             prev, n = snap, n + 1
             if args.refreshes is None or n < args.refreshes:
                 await asyncio.sleep(max(0.05, args.watch))
@@ -141,7 +150,7 @@ async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, cons
 
 
 def main(args: argparse.Namespace) -> int:
-    console = Console()
+    console = make_console()
     fn = once if args.watch is None else watch
     try:
         return run(with_redis(args, lambda r, k: fn(r, k, args, console)))

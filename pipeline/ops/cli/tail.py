@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from pipeline.ops.cli.common import add_redis_args, env_default, run, stream_name, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, env_default, run, stream_name, with_redis
 from pipeline.ops.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
 from pipeline.transport.consumer import resolve_payloads
 from pipeline.transport.keys import Keys
@@ -24,19 +24,25 @@ from schemas.atropos import to_atropos
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("tail", help="show the newest entries of a stream without consuming them")
+    p = add_command(sub, "tail", "show the newest entries of a stream without consuming them",
+                    "Show the newest entries of a stream, and with --follow the new ones as they come, without "
+                    "consuming them (XREVRANGE/XREAD, no consumer group): the pipeline is not disturbed.")
     p.add_argument("stream", type=stream_name, help="rollouts, scored, batches or dlq")
-    p.add_argument("--count", "-n", type=int, default=10, help="entries to show (default 10)")
-    p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
+    p.add_argument("--count", "-n", type=int, default=10, metavar="N", help="entries shown first")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries until Ctrl-C")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--format", choices=["summary", "atropos"], default="summary",
-                   help="atropos: the reference ScoredDataGroup layout, one JSON object per line")
-    p.add_argument("--group-id", default=None, help="only entries of this group id")
-    p.add_argument("--status", choices=["ok", "skipped", "dropped"], default=None, help="only scored groups with it")
-    p.add_argument("--decode", action="store_true", help="show a sequence as text, with the teacher's top-k")
+                   help="summary: one line per entry; atropos: the reference ScoredDataGroup layout plus entry_id, "
+                        "one JSON object per line (groups only)")
+    p.add_argument("--group-id", default=None, metavar="ID", help="only entries of this group id (default: all)")
+    p.add_argument("--status", choices=["ok", "skipped", "dropped"], default=None,
+                   help="only scored groups with this status (default: all)")
+    p.add_argument("--decode", action="store_true",
+                   help="show one sequence as text: trainable parts marked, and for scored groups the teacher's "
+                        "top-k next to each sampled token")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="local tokenizer directory for --decode (default: $DISTILLQ_TOKENIZER)")
-    p.add_argument("--seq", type=int, default=0, metavar="I", help="with --decode: which sequence (default 0)")
+                   help="local tokenizer directory for --decode, nothing is downloaded (default: $DISTILLQ_TOKENIZER)")
+    p.add_argument("--seq", type=int, default=0, metavar="I", help="with --decode: which sequence")
     p.add_argument("--top", type=int, default=5, metavar="N", help="with --decode: teacher top-k entries shown")
     p.add_argument("--all-positions", action="store_true", help="with --decode: masked positions too")
     add_redis_args(p)
@@ -110,8 +116,13 @@ async def tail(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace,
         await resolve_payloads(redis, [fields for _, fields in rows])
         entries += [(_order(eid.decode()), eid.decode(), fields) for eid, fields in rows]
         last[key] = rows[0][0].decode() if rows else "$"
+    shown = 0
     for _, eid, fields in sorted(entries, key=lambda e: e[0])[-args.count :] if args.count > 0 else []:
-        _print(render(args, eid, fields, tokenizer))
+        shown += _print(render(args, eid, fields, tokenizer))
+    if not entries and args.count > 0:
+        _note(f"(stream {args.stream} is empty)")
+    elif not shown and args.count > 0:
+        _note(f"(none of the newest {min(len(entries), args.count)} entries of stream {args.stream} match)")
     block = max(10, 1000 // len(stream_keys))
     while args.follow:
         for key in stream_keys:  # one key per XREAD: shards live in different hash slots
@@ -129,9 +140,15 @@ def _order(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _print(line: str | None) -> None:
+def _print(line: str | None) -> bool:
     if line is not None:
         print(line, flush=True)
+    return line is not None
+
+
+def _note(text: str) -> None:
+    """A remark for the reader, on stderr: stdout keeps entries only (one JSON object per line with --json)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def main(args: argparse.Namespace) -> int:

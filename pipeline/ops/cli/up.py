@@ -16,24 +16,29 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from rich.console import Console
-
 from pipeline.config import add_redis_args, redis_settings_from_args
+from pipeline.ops.cli.common import add_command, make_console
 from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
-
-console = Console(stderr=True)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("up", help="run N workers of each stage as supervised local processes")
-    p.add_argument("--rollout", type=int, default=0, help="rollout workers")
-    p.add_argument("--teachers", type=int, default=1, help="teacher workers")
-    p.add_argument("--feeders", type=int, default=1, help="feeder workers")
-    p.add_argument("--rollout-args", default="", help="extra flags for each rollout worker (one string)")
-    p.add_argument("--teacher-args", default="", help="extra flags for each teacher worker")
-    p.add_argument("--feeder-args", default="", help="extra flags for each feeder")
-    p.add_argument("--log-dir", type=Path, default=Path("distillq-logs"))
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: run)")
+    p = add_command(sub, "up", "run N workers of each stage as supervised local processes",
+                    "Run distillq worker STAGE processes on this machine, each with a stable consumer name and a "
+                    "log file; a worker that exits with an error is restarted (up to 5 times, with backoff). "
+                    "Ctrl-C or SIGTERM stops them all gracefully.")
+    p.add_argument("--rollout", type=int, default=0, metavar="N", help="rollout workers")
+    p.add_argument("--teachers", type=int, default=1, metavar="N", help="teacher workers")
+    p.add_argument("--feeders", type=int, default=1, metavar="N", help="feeder workers")
+    p.add_argument("--rollout-args", default="", metavar="ARGS",
+                   help="extra flags for each rollout worker, one shell-quoted string (default: none)")
+    p.add_argument("--teacher-args", default="", metavar="ARGS",
+                   help="extra flags for each teacher worker, one shell-quoted string (default: none)")
+    p.add_argument("--feeder-args", default="", metavar="ARGS",
+                   help="extra flags for each feeder, one shell-quoted string (default: none)")
+    p.add_argument("--log-dir", type=Path, default=Path("distillq-logs"), metavar="DIR",
+                   help="directory of the workers' log files, one <name>.log each")
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="stop after this many seconds (default: run until stopped)")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -53,6 +58,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    console = make_console(stderr=True)
     rs = redis_settings_from_args(args)
     procs = specs(args)
     if not procs:
