@@ -49,7 +49,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="exit 0 if this host's worker of this stage wrote its heartbeat in the last 30 s, else 1 "
                         "(container health check; prints why)")
     p.add_argument("--any-host", action="store_true", help="with --check: a worker of the stage on any host counts")
-    p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "0") or 0), metavar="PORT",
+    p.add_argument("--metrics-port", type=int, default=env("METRICS_PORT") or "0", metavar="PORT",
                    help="Prometheus /metrics port, 0: off (env DISTILLQ_METRICS_PORT)")
     p.add_argument("--metrics-host", default=env("METRICS_HOST", "127.0.0.1"), metavar="HOST",
                    help="address the metrics endpoint binds (env DISTILLQ_METRICS_HOST)")

@@ -16,13 +16,13 @@ from workers.common import add_common_args, env, run_stage, shard_plan, standalo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-batch-tokens", type=int, default=int(env("MAX_BATCH_TOKENS", "65536") or 65536),
+    p.add_argument("--max-batch-tokens", type=int, default=env("MAX_BATCH_TOKENS") or "65536",
                    metavar="N", help="token budget per batch (env DISTILLQ_MAX_BATCH_TOKENS)")
     p.add_argument("--max-batch-groups", type=int, default=None, metavar="N",
                    help="groups per batch at most (default: no limit)")
     p.add_argument("--token-count", choices=["sum", "padded"], default="sum",
                    help="how a batch's tokens count: sum of lengths, or padded (sequences x longest)")
-    p.add_argument("--max-staleness", type=int, default=int(env("MAX_STALENESS", "4") or 4), metavar="N",
+    p.add_argument("--max-staleness", type=int, default=env("MAX_STALENESS") or "4", metavar="N",
                    help="drop groups more than this many policy versions old, -1: never (env DISTILLQ_MAX_STALENESS)")
     p.add_argument("--missing-distill", choices=["keep", "drop"], default=env("MISSING_DISTILL", "keep"),
                    help="groups without teacher payload: keep (task reward only) or drop "

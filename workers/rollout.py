@@ -35,15 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="student vLLM server URL, required for vllm (env DISTILLQ_STUDENT_URL; default: none)")
     p.add_argument("--tokenizer", default=env("STUDENT_TOKENIZER"), metavar="PATH",
                    help="student tokenizer (env DISTILLQ_STUDENT_TOKENIZER; default: --model)")
-    p.add_argument("--group-size", type=int, default=int(env("GROUP_SIZE", "8") or 8), metavar="N",
+    p.add_argument("--group-size", type=int, default=env("GROUP_SIZE") or "8", metavar="N",
                    help="completions per prompt (env DISTILLQ_GROUP_SIZE)")
-    p.add_argument("--max-tokens", type=int, default=int(env("MAX_TOKENS", "256") or 256), metavar="N",
+    p.add_argument("--max-tokens", type=int, default=env("MAX_TOKENS") or "256", metavar="N",
                    help="tokens per completion at most (env DISTILLQ_MAX_TOKENS)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     p.add_argument("--reward", default=env("REWARD", "none"), metavar="NAME",
                    help=f"reward function: {', '.join(reward_names())} (env DISTILLQ_REWARD)")
-    p.add_argument("--max-jobs", type=int, default=int(env("MAX_JOBS", "4") or 4), metavar="N",
+    p.add_argument("--max-jobs", type=int, default=env("MAX_JOBS") or "4", metavar="N",
                    help="prompts sampled at once (env DISTILLQ_MAX_JOBS)")
     p.add_argument("--weights-dir", default=env("WEIGHTS_DIR"), metavar="DIR",
                    help="hf backend: reload weights a learner publishes here when the policy version moves; "

@@ -35,14 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student-tokenizer", default=env("STUDENT_TOKENIZER"), metavar="PATH",
                    help="compare vocabularies with this tokenizer at startup; refuse to start if they differ "
                         "(env DISTILLQ_STUDENT_TOKENIZER; default: no check)")
-    p.add_argument("--top-k", type=int, default=int(env("TOP_K", "20") or 20), metavar="K",
+    p.add_argument("--top-k", type=int, default=env("TOP_K") or "20", metavar="K",
                    help="default k; a group's group_overrides.teacher_top_k replaces it (env DISTILLQ_TOP_K)")
-    p.add_argument("--max-batch-tokens", type=int, default=int(env("TEACHER_MAX_BATCH_TOKENS", "16384") or 16384),
+    p.add_argument("--max-batch-tokens", type=int, default=env("TEACHER_MAX_BATCH_TOKENS") or "16384",
                    metavar="N", help="padded tokens per teacher call (env DISTILLQ_TEACHER_MAX_BATCH_TOKENS)")
-    p.add_argument("--concurrency", type=int, default=int(env("TEACHER_CONCURRENCY", "8") or 8), metavar="N",
+    p.add_argument("--concurrency", type=int, default=env("TEACHER_CONCURRENCY") or "8", metavar="N",
                    help="teacher calls in flight per worker; the hf backend makes one at a time "
                         "(env DISTILLQ_TEACHER_CONCURRENCY)")
-    p.add_argument("--timeout", type=float, default=float(env("TEACHER_TIMEOUT_S", "120") or 120), metavar="SECONDS",
+    p.add_argument("--timeout", type=float, default=env("TEACHER_TIMEOUT_S") or "120", metavar="SECONDS",
                    help="seconds per request, HTTP backends (env DISTILLQ_TEACHER_TIMEOUT_S)")
     p.add_argument("--retries", type=int, default=3, metavar="N",
                    help="extra attempts for a retryable teacher failure; then the group's payload is dropped")
@@ -50,6 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a group asking for more than the server's logprob cap: clamp to the cap, or drop its "
                         "payload (env DISTILLQ_K_OVER_CAP)")
     p.add_argument("--fp16-topk", action="store_true", help="carry top-k logprobs as float16")
+    p.add_argument("--rows", choices=["trained", "all"], default=env("TEACHER_ROWS") or "trained",
+                   help="teacher rows scored and shipped per sequence: the rows the learner trains on "
+                        "(loss_mask[r+1] == 1), or every row (env DISTILLQ_TEACHER_ROWS)")
+    p.add_argument("--hf-chunk-positions", type=int, default=env("TEACHER_HF_CHUNK_POSITIONS") or "256", metavar="N",
+                   help="hf backend: rows per lm_head/log-softmax chunk; memory about 2 x N x vocabulary x 4 bytes "
+                        "(env DISTILLQ_TEACHER_HF_CHUNK_POSITIONS)")
+    p.add_argument("--hf-min-shared-prefix", type=int, default=env("TEACHER_HF_MIN_SHARED_PREFIX") or "32",
+                   metavar="N", help="hf backend: shortest common prefix of a call's sequences computed once; 0 turns "
+                                     "sharing off (env DISTILLQ_TEACHER_HF_MIN_SHARED_PREFIX)")
     p.add_argument("--on-drop", choices=["pass", "dlq"], default=env("ON_DROP", "pass"),
                    help="groups whose payload was dropped: pass them on without payload, or dead-letter them "
                         "(env DISTILLQ_ON_DROP)")
@@ -64,7 +73,8 @@ def make_backend(args: argparse.Namespace) -> TeacherBackend:
 
         if not args.model:
             raise TeacherConfigError("--model PATH is required for the hf backend")
-        return HFTeacher(args.model, max_batch_tokens=args.max_batch_tokens)
+        return HFTeacher(args.model, max_batch_tokens=args.max_batch_tokens, chunk_positions=args.hf_chunk_positions,
+                         min_shared_prefix=args.hf_min_shared_prefix)
     if args.backend == "synthetic":
         from pipeline.teacher.synthetic import SyntheticTeacher
 
@@ -105,7 +115,7 @@ async def prepare(args: argparse.Namespace) -> tuple[TeacherBackend, Scorer]:
     checksum = await self_test_checksum(backend)
     log.info("teacher_ready", identity=backend.identity, max_k=backend.max_k, top_k=args.top_k, self_test=checksum)
     cfg = ScoringConfig(default_k=args.top_k, max_batch_tokens=args.max_batch_tokens, retries=args.retries,
-                        k_over_cap=args.k_over_cap, fp16_topk=args.fp16_topk,
+                        k_over_cap=args.k_over_cap, fp16_topk=args.fp16_topk, rows=args.rows,
                         concurrent_calls=1 if args.backend == "hf" else args.concurrency)
     return backend, Scorer(backend, cfg, limits=stream_settings(args).limits())
 
