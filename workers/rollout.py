@@ -66,7 +66,10 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
     from pipeline.rollout.student_vllm import VLLMStudent
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    return VLLMStudent(args.url, args.model, tokenizer)
+    try:
+        return VLLMStudent(args.url, args.model, tokenizer)
+    except ValueError as e:  # a malformed --url: one line, not a traceback
+        raise SystemExit(f"distillq worker rollout: {e}") from None
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="served model name (vllm, sglang) or local path (hf) (env DISTILLQ_TEACHER_MODEL; default: "
                         "none, a vLLM server's first model)")
     p.add_argument("--url", action="append", default=None,
-                   help="teacher server URL; repeat for several (default: $DISTILLQ_TEACHER_URLS, comma-separated)")
+                   help="teacher server URL, http://host:port or the OpenAI-style http://host:port/v1; repeat for "
+                        "several (default: $DISTILLQ_TEACHER_URLS, comma-separated)")
     p.add_argument("--tokenizer", default=env("TEACHER_TOKENIZER"), metavar="PATH",
                    help="teacher tokenizer, for the vocabulary check "
                         "(env DISTILLQ_TEACHER_TOKENIZER; default: --model)")

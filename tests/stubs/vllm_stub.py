@@ -1,11 +1,13 @@
 """A stub vLLM (and SGLang) server for tests: minimal HTTP/1.1 over ``asyncio.start_server``.
 
-``/v1/completions`` answers with real prompt logprobs of the tiny HF teacher, in vLLM's layout: entry
-0 null, string token-id keys, ``{logprob, rank, decoded_token}`` items, the prompt token first and the
-rest shuffled; k items when the prompt token is in the top-k, else k+1 (``always_extra`` sends k+1
+``/v1/completions`` answers with real prompt logprobs of the HF model it is given (the tiny teacher, or
+the 151,936-token real-vocabulary model), in vLLM's layout and compact JSON (as vLLM's server writes it):
+entry 0 null, string token-id keys, ``{logprob, rank, decoded_token}`` items, the prompt token first and
+the rest shuffled; k items when the prompt token is in the top-k, else k+1 (``always_extra`` sends k+1
 everywhere). ``prompt_logprobs`` above ``cap`` gets vLLM's 400 error. Behaviour per request is chosen by
 the prompt's first token: ``errors`` (500, a count or -1 for always), ``hangs`` (never answers),
-``short`` (one entry missing). ``/generate`` answers in SGLang's layout.
+``short`` (one entry missing). ``/generate`` answers in SGLang's layout from the request's
+``logprob_start_len`` on (each value is recorded in ``logprob_start_lens_seen``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class VLLMStub:
         self.in_flight = 0
         self.max_in_flight = 0
         self.prompt_logprobs_seen: list[int] = []
+        self.logprob_start_lens_seen: list[int] = []
         self._rng = random.Random(seed)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -93,7 +96,7 @@ class VLLMStub:
                     break
                 method, path, body = request
                 status, payload = await self._route(method, path, body)
-                data = json.dumps(payload).encode()
+                data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
                 head = f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
                 writer.write(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
                 await writer.drain()
@@ -152,45 +155,65 @@ class VLLMStub:
         entries: list[dict[str, Any] | None] = [None]
         if len(tokens) > 1:
             lp = teacher_logprobs(self.model, tokens)
+            top = top_order(lp, k + 1)
             for p in range(1, len(tokens)):
-                entries.append(self._entry(lp[p - 1], tokens[p], k))
+                entries.append(self._entry(lp[p - 1], top[p - 1], tokens[p], k))
         if tokens[0] in self.short:
             entries.pop()
         choice = {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "prompt_logprobs": entries}
         return 200, {"id": "cmpl-stub", "object": "text_completion", "model": self.model_name, "choices": [choice]}
 
-    def _entry(self, row: npt.NDArray[np.float32], token: int, k: int) -> dict[str, Any]:
-        order = np.argsort(-row, kind="stable")
+    def _entry(self, row: npt.NDArray[np.float32], order: npt.NDArray[np.int64], token: int, k: int) -> dict[str, Any]:
+        """vLLM's item dict: the prompt token first, then the rest of the top k (+1 with ``always_extra``),
+        shuffled; ranks by place in ``order``, the prompt token's as 1 + the number of larger logprobs."""
         top = [int(i) for i in order[:k]]
-        extra = [int(order[k])] if self.always_extra and token in top and k < row.shape[0] else []
+        extra = [int(order[k])] if self.always_extra and token in top and k < order.shape[0] else []
         rest = [i for i in top + extra if i != token]
         self._rng.shuffle(rest)
+        ranks = {i: r + 1 for r, i in enumerate(order.tolist())}
+        ranks[token] = int((row > row[token]).sum()) + 1
 
         def item(i: int) -> dict[str, Any]:
-            rank = int((row > row[i]).sum()) + 1
-            return {"logprob": float(row[i]), "rank": rank, "decoded_token": f"<{i}>"}
+            return {"logprob": float(row[i]), "rank": ranks.get(i, 0), "decoded_token": f"<{i}>"}
 
         return {str(i): item(i) for i in [token, *rest]}
 
     async def _generate(self, req: dict[str, Any]) -> tuple[int, Any]:
+        """SGLang's answer from ``logprob_start_len`` s on: entry j is token s + j, entry 0 without logprobs."""
         tokens = [int(t) for t in req["input_ids"]]
         k = int(req["top_logprobs_num"])
+        start = int(req.get("logprob_start_len", 0))
+        self.logprob_start_lens_seen.append(start)
         bad = await self._misbehave(tokens[0])
         if bad is not None:
             return bad
-        own: list[list[Any]] = [[None, tokens[0], None]]
+        if not 0 <= start < len(tokens):
+            return 400, {"error": {"message": f"logprob_start_len {start} outside [0, {len(tokens)})", "code": 400}}
+        own: list[list[Any]] = [[None, tokens[start], None]]
         top: list[list[list[Any]] | None] = [None]
         if len(tokens) > 1:
             lp = teacher_logprobs(self.model, tokens)
-            for p in range(1, len(tokens)):
+            best = top_order(lp, k)
+            for p in range(start + 1, len(tokens)):
                 row = lp[p - 1]
                 own.append([float(row[tokens[p]]), tokens[p], None])
-                best = [int(i) for i in np.argsort(-row, kind="stable")[:k]]
-                top.append([[float(row[i]), i, None] for i in best])
+                top.append([[float(row[i]), int(i), None] for i in best[p - 1]])
         if tokens[0] in self.short:
             top.pop()
         meta = {"input_token_logprobs": own, "input_top_logprobs": top, "prompt_tokens": len(tokens)}
         return 200, {"text": "", "meta_info": meta}
+
+
+def top_order(lp: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
+    """Ids of the ``k`` largest logprobs of each row ``[rows, V]``, largest first (ties by id), without a
+    full sort of the vocabulary."""
+    rows, vocab = lp.shape
+    k = min(k, vocab)
+    part = np.argpartition(-lp, k - 1, axis=1)[:, :k] if k < vocab else np.tile(np.arange(vocab), (rows, 1))
+    vals = np.take_along_axis(lp, part, axis=1)
+    order = np.lexsort((part, -vals), axis=1)
+    out: npt.NDArray[np.int64] = np.take_along_axis(part, order, axis=1).astype(np.int64)
+    return out
 
 
 @contextlib.asynccontextmanager
