@@ -21,7 +21,25 @@ key                                                type          written by / me
 ``ns:kl``                                          string        feeder: KL controller state (JSON)
 ``ns:config``                                      hash          pipeline settings all workers agree on (shards)
 ``ns:arq:*``                                       (arq)         rollout job queue, owned by arq (transport.jobs)
+``{ns:atropos}:trainer``                           hash          ``serve atropos``: the trainer's registration
+                                                                 (batch size, ...), step, started
+``{ns:atropos}:envs``                              hash          ``serve atropos``: env id -> env record (JSON)
+``{ns:atropos}:buffer:<env id>``                   list          ``serve atropos``: groups of another size than
+                                                                 their env's, waiting for a set that fills it
+``{ns:atropos}:inflight``                          hash          ``serve atropos``: group id -> ``env|sequences`` of
+                                                                 groups posted and not yet scored
+``{ns:atropos}:inflight_at``                       zset          ``serve atropos``: the same groups by post time
+``{ns:atropos}:discard``                           set           ``serve atropos``: groups posted before a reset,
+                                                                 dropped when they come out of the teacher
+``{ns:atropos}:queue``                             stream        ``serve atropos``: scored groups waiting for
+                                                                 ``/batch`` (id, payload key, sequences, env)
+``{ns:atropos}:seen:<group id>``                   string (TTL)  ``serve atropos``: dedupe marker of a group queued
+``{ns:atropos}:leases``                            hash          ``serve atropos``: leased batch id -> its groups
+``{ns:atropos}:lease_deadlines``                   zset          ``serve atropos``: leased batch id -> deadline (ms)
+``{ns:atropos}:latest``                            string        ``serve atropos``: the last group posted (JSON)
 =================================================  ============  ==============================================
+
+The ``serve atropos`` keys share one hash tag, ``{ns:atropos}``, so its scripts touch several at once.
 
 Sharding: ``rollouts`` and ``scored`` may be split into S shards (``ns:config`` field ``shards``); a
 group's shard is a stable hash of its group id, so its dedupe marker shares the shard's slot.
@@ -49,6 +67,10 @@ CONSUMER_GROUPS: Final = {"rollouts": "teacher", "scored": "feeder", "batches": 
 #: Streams that may be sharded (see ``shard_of``).
 SHARDABLE: Final = frozenset({"rollouts", "scored"})
 MAX_SHARDS: Final = 1024
+#: The single keys of the Atropos-compatible server (``Keys.atropos``).
+ATROPOS_PARTS: Final = frozenset(
+    {"trainer", "envs", "inflight", "inflight_at", "discard", "queue", "leases", "lease_deadlines", "latest"}
+)
 
 
 SLOTS: Final = 16384
@@ -160,6 +182,21 @@ class Keys:
     @property
     def config(self) -> str:
         return f"{self.namespace}:config"
+
+    def atropos(self, part: str) -> str:
+        """A key of the Atropos-compatible server (``distillq serve atropos``): ``{ns:atropos}:<part>``, one
+        hash slot for all of them. ``part`` is one of ``ATROPOS_PARTS``."""
+        if part not in ATROPOS_PARTS:
+            raise ValueError(f"unknown atropos key {part!r}; one of {sorted(ATROPOS_PARTS)}")
+        return f"{{{self.namespace}:atropos}}:{part}"
+
+    def atropos_buffer(self, env_id: int) -> str:
+        """Groups of env ``env_id`` waiting for others to fill its group size (``serve atropos``)."""
+        return f"{{{self.namespace}:atropos}}:buffer:{int(env_id)}"
+
+    def atropos_seen(self, group_id: str) -> str:
+        """Dedupe marker of a group put on the ``serve atropos`` queue."""
+        return f"{{{self.namespace}:atropos}}:seen:{group_id}"
 
     @property
     def arq_queue(self) -> str:

@@ -49,11 +49,11 @@ def wrong_container(o: Obj, rng: random.Random) -> None:
 
 
 def count_mismatch(o: Obj, rng: random.Random) -> None:
-    o[rng.choice(["masks", "scores", "inference_logprobs"])].pop()
+    o[rng.choice(["masks", "scores"])].pop()  # Atropos accepts inference_logprobs of other lengths: so do we
 
 
 def row_length_mismatch(o: Obj, rng: random.Random) -> None:
-    row, _ = _cell(o, rng.choice(["masks", "inference_logprobs"]), rng)
+    row, _ = _cell(o, "masks", rng)
     row.pop() if rng.random() < 0.5 else row.append(row[-1])
 
 
@@ -110,13 +110,14 @@ def distill_shape(o: Obj, rng: random.Random) -> None:
         o["distill_token_ids"][s].pop()  # one entry fewer than tokens
     elif case == 1:
         o["distill_token_ids"][s][0] = [1, 2, 3]  # entry 0 must be empty
-    else:
-        o["distill_logprobs"][s][1] = o["distill_logprobs"][s][1][:-1]  # ids and logprobs disagree
+    else:  # ids and logprobs disagree at a position that has a teacher row (untrained ones are [])
+        q = rng.choice([q for q, e in enumerate(o["distill_token_ids"][s]) if e])
+        o["distill_logprobs"][s][q] = o["distill_logprobs"][s][q][:-1]
 
 
 def distill_values(o: Obj, rng: random.Random) -> None:
     s = rng.randrange(len(o["tokens"]))
-    p = rng.randrange(1, len(o["tokens"][s]))
+    p = rng.choice([q for q, e in enumerate(o["distill_token_ids"][s]) if e])  # a position with a teacher row
     if rng.random() < 0.5:
         o["distill_logprobs"][s][p][0] = rng.choice([float("nan"), float("inf"), "x"])
     else:

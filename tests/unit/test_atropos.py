@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.atropos import MASKED, MASKED_LOGPROB, rollout_from_atropos, to_atropos
-from schemas.build import synthetic_rollout, synthetic_scored
+from schemas.atropos import ATROPOS_KEYS, MASKED, MASKED_LOGPROB, STASH, rollout_from_atropos, to_atropos
+from schemas.build import make_sequence, synthetic_rollout, synthetic_scored
 from schemas.codec import decode, encode
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup
 from schemas.validate import DecodeError, Limits
@@ -105,19 +105,39 @@ def test_reference_group_becomes_a_scored_group_in_our_convention() -> None:
     decode(encode(msg))  # valid on our wire too
 
 
-def test_reference_to_ours_to_reference_gives_k_sorted_entries() -> None:
+def group_of(msg: RolloutGroup | ScoredGroup) -> RolloutGroup:
+    return msg.group if isinstance(msg, ScoredGroup) else msg
+
+
+def f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def test_reference_to_ours_to_reference_gives_back_every_value_and_the_real_layout() -> None:
     ref = reference_group(seed=1)
     out = json.loads(json.dumps(to_atropos(rollout_from_atropos(ref))))
-    for key in ("tokens", "masks", "scores", "messages", "overrides", "generation_params", "env_id"):
+    for key in ATROPOS_KEYS[:-2]:  # everything a client sends comes back equal, float64 included
         assert out[key] == ref[key], key
-    assert out["group_overrides"] is None
     for s in range(3):
-        want_inf = [float(np.float32(v)) for v in ref["inference_logprobs"][s]]
-        assert out["inference_logprobs"][s] == want_inf
-        ids, lps, _ = expected_rows(ref, s, 4)
-        assert out["distill_token_ids"][s] == [[], *ids]
-        assert out["distill_logprobs"][s] == [[], *lps]
-        assert all(len(e) == 4 and e == sorted(e, reverse=True) for e in out["distill_logprobs"][s][1:])
+        tok = ref["tokens"][s]
+        assert out["distill_token_ids"][s][0] == [] and out["distill_logprobs"][s][0] == []
+        for p in range(1, len(tok)):
+            got = list(zip(out["distill_token_ids"][s][p], out["distill_logprobs"][s][p], strict=True))
+            given = [(i, f32(v)) for i, v in zip(ref["distill_token_ids"][s][p], ref["distill_logprobs"][s][p],
+                                                 strict=True)]
+            assert sorted(got) == sorted(given)  # the same k or k + 1 items (teacher logprobs as float32)
+            assert got[0][0] == tok[p]  # the actual token first, as vLLM's prompt logprobs
+            rest = [v for _, v in got[1:]]
+            assert rest == sorted(rest, reverse=True)
+
+
+def same_teacher(a: ScoredGroup, b: ScoredGroup) -> None:
+    """The same payloads: rows held (``None`` and all rows alike), top-k and sampled arrays bit for bit."""
+    assert a.k == b.k and a.teacher is not None and b.teacher is not None
+    for ta, tb, seq in zip(a.teacher, b.teacher, a.group.sequences, strict=True):
+        assert np.array_equal(ta.row_index(seq.length), tb.row_index(seq.length))
+        for name in ("topk_ids", "topk_logprobs", "sampled_logprobs"):
+            same(getattr(ta, name), getattr(tb, name), name)
 
 
 def test_ours_to_reference_to_ours_is_exact() -> None:
@@ -126,7 +146,10 @@ def test_ours_to_reference_to_ours_is_exact() -> None:
     wire = json.loads(json.dumps(to_atropos(s)))
     assert wire["policy_version"] == 0 and wire["distill_status"] == "ok" and wire["distill_top_k"] == 6
     back = rollout_from_atropos(wire)
-    same(s, back)  # includes sampled logprobs of tokens outside the top k
+    assert isinstance(back, ScoredGroup)
+    same(s.group, back.group)
+    same_teacher(s, back)  # includes sampled logprobs of tokens outside the top k
+    assert (back.status, back.teacher_id, back.scored_at) == (s.status, s.teacher_id, s.scored_at)
 
 
 def test_rollout_group_round_trips_and_has_null_distill_arrays() -> None:
@@ -184,11 +207,156 @@ def test_single_token_sequence() -> None:
     assert msg.group.sequences[0].prompt_len == 1
 
 
-def test_trainable_position_zero_is_forced_off() -> None:
+def test_trainable_position_zero_is_forced_off_and_the_masks_come_back_as_sent() -> None:
     ref = reference_group()
     ref["masks"][0][0] = ref["tokens"][0][0]
     msg = rollout_from_atropos(ref)
     assert not msg.group.sequences[0].loss_mask.numpy()[0]  # type: ignore[union-attr]
+    assert to_atropos(msg)["masks"] == ref["masks"]
+
+
+@pytest.mark.parametrize("all_rows", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_what_the_reference_server_keeps_decodes_to_the_same_payload(all_rows: bool, seed: int) -> None:
+    """Only ``ATROPOS_KEYS`` survive the reference server: the entries alone give back k, the rows held and
+    every sampled logprob (tokens outside the top k included), with and without rows left out."""
+    s = synthetic_scored(synthetic_rollout(3, [20, 1, 33], vocab=VOCAB, seed=seed), 6, vocab=VOCAB, seed=seed,
+                         all_rows=all_rows)
+    wire = json.loads(json.dumps(to_atropos(s)))
+    back = rollout_from_atropos({key: wire[key] for key in ATROPOS_KEYS})
+    assert isinstance(back, ScoredGroup)
+    same_teacher(s, back)
+    same(s.group.sequences, back.group.sequences)
+
+
+def test_positions_without_a_teacher_row_are_empty_entries() -> None:
+    seq = make_sequence(list(range(10, 20)), [0, 0, 0, 1, 1, 0, 0, 1, 1, 1], logprobs=[-0.5] * 10)
+    g = RolloutGroup(group_id="g", sequences=[seq])
+    s = synthetic_scored(g, 3, vocab=VOCAB)  # rows 2, 3, 6, 7, 8 (loss_mask[r + 1] == 1)
+    wire = to_atropos(s)
+    ids = wire["distill_token_ids"][0]
+    assert [p for p, e in enumerate(ids) if e] == [3, 4, 7, 8, 9]
+    assert all(e[0] == seq.tokens.numpy()[p] for p, e in enumerate(ids) if e)  # the actual token first
+    assert all(len(e) in (3, 4) for e in ids if e)
+    same_teacher(s, rollout_from_atropos({key: wire[key] for key in ATROPOS_KEYS}))  # type: ignore[arg-type]
+    wire["distill_token_ids"][0][4] = wire["distill_logprobs"][0][4] = []  # a trained position without a row
+    with pytest.raises(DecodeError) as info:
+        rollout_from_atropos(wire)
+    assert info.value.field == "distill_token_ids[0]" and "trained row 3" in info.value.reason
+
+
+def test_k_when_every_entry_holds_the_actual_token_outside_the_top_k() -> None:
+    ref = reference_group(seed=3, lengths=(6, 5), k=3)
+    for s, tok in enumerate(ref["tokens"]):  # every entry: k + 1 items, the actual token first and lowest
+        for p in range(1, len(tok)):
+            ref["distill_token_ids"][s][p] = [tok[p], *((tok[p] + 1 + j) % VOCAB for j in range(3))]
+            ref["distill_logprobs"][s][p] = [-3.0, -0.5, -1.0, -1.5]
+    msg = rollout_from_atropos(ref)
+    assert isinstance(msg, ScoredGroup) and msg.k == 3 and msg.teacher is not None
+    tok = np.array(ref["tokens"][0])
+    assert np.array_equal(msg.teacher[0].topk_ids.numpy(), (tok[1:, None] + 1 + np.arange(3)) % VOCAB)
+    assert (msg.teacher[0].sampled_logprobs.numpy() == -3.0).all()
+    ref["group_overrides"] = {"teacher_top_k": 4}  # the reference's k wins: the actual token ranks 4th
+    assert rollout_from_atropos(ref).k == 4  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("overrides", [{"teacher_top_k": -1}, {"teacher_top_k": -5}, {"skip_teacher_top_k": True}])
+def test_no_teacher_overrides_skip(overrides: dict[str, Any]) -> None:
+    ref = reference_group()
+    ref["group_overrides"] = overrides
+    msg = rollout_from_atropos(ref)
+    assert isinstance(msg, ScoredGroup) and msg.status is DistillStatus.SKIPPED and msg.teacher is None
+    wire = to_atropos(msg)
+    assert wire["distill_token_ids"] is None and wire["group_overrides"] == overrides
+
+
+def test_masks_other_than_token_ids_are_kept_as_sent() -> None:
+    """The reference server's own tests post 0/1-style masks (all 1): trained where != -100, given back as sent."""
+    ref = {"tokens": [list(range(8)), list(range(5, 11))], "masks": [[1] * 8, [-100, -100, 0, 1, 1, 7]],
+           "scores": [0.5, 0.25]}
+    msg = rollout_from_atropos(ref)
+    assert group_of(msg).sequences[0].loss_mask.numpy().tolist() == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert group_of(msg).sequences[1].loss_mask.numpy().tolist() == [0, 0, 1, 1, 1, 1]
+    assert to_atropos(msg)["masks"] == ref["masks"]
+
+
+def test_float64_values_come_back_equal_and_float32_ones_cost_nothing_extra() -> None:
+    ref: dict[str, Any] = {"tokens": [[1, 2, 3]], "masks": [[-100, 2, 3]], "scores": [0.1], "env_id": 0,
+                           "advantages": [[0.1, 0.2, 0.30000000000000004]], "ref_logprobs": [[-0.7, -1.1, -2.3]],
+                           "inference_logprobs": [[1.0, -0.1, -1 / 3]]}
+    out = to_atropos(decode(encode(rollout_from_atropos(ref))))  # type: ignore[arg-type]
+    for key in ("scores", "advantages", "ref_logprobs", "inference_logprobs"):
+        assert out[key] == ref[key], key
+    exact = {**ref, "advantages": [[f32(0.1)] * 3], "ref_logprobs": [[f32(-0.7)] * 3],
+             "inference_logprobs": [[1.0, f32(-0.1), f32(-0.2)]]}
+    msg = rollout_from_atropos(exact)
+    assert group_of(msg).metadata is None
+    assert to_atropos(msg)["advantages"] == exact["advantages"]
+
+
+def test_lengths_the_reference_accepts_are_accepted_and_given_back() -> None:
+    """No cross-field length checks on advantages, ref_logprobs, inference_logprobs, messages, overrides."""
+    ref: dict[str, Any] = {"tokens": [[1, 2, 3], [4, 5]], "masks": [[-100, 2, 3], [-100, 5]], "scores": [1.0, 0.0],
+                           "advantages": [[0.5] * 5, [0.5, 0.5]], "ref_logprobs": [[-1.0, -1.0, -1.0]],
+                           "inference_logprobs": [[1.0, -0.5], [1.0, -0.25]], "messages": [],
+                           "overrides": [{"temperature": 0.5}]}
+    msg = rollout_from_atropos(ref)
+    seqs = group_of(msg).sequences
+    assert seqs[0].advantages is None and seqs[1].advantages is not None  # only what fits reaches our wire
+    assert seqs[0].logprobs is None and seqs[1].logprobs is not None
+    assert all(s.ref_logprobs is None and s.messages is None and s.overrides is None for s in seqs)
+    out = to_atropos(decode(encode(msg)))  # type: ignore[arg-type]
+    for key in ("advantages", "ref_logprobs", "inference_logprobs", "messages", "overrides"):
+        assert out[key] == ref[key], key
+
+
+def test_env_id_null_and_images_are_kept() -> None:
+    ref = {**reference_group(), "env_id": None, "images": [{"url": "data:image/png;base64,AAAA"}], "metadata": None}
+    out = to_atropos(rollout_from_atropos(ref))
+    assert out["env_id"] is None and out["images"] == ref["images"] and out["metadata"] is None
+    assert STASH not in json.dumps(out)
+    ref["metadata"] = {"run": "a"}
+    assert to_atropos(rollout_from_atropos(ref))["metadata"] == {"run": "a"}
+
+
+def test_null_entries_are_never_written() -> None:
+    """The reference server rejects null rows (422): a field some sequences lack is null as a whole; missing
+    overrides and messages become ``{}`` and ``[]``."""
+    a, b = synthetic_rollout(2, [6, 4], vocab=VOCAB, seed=1).sequences
+    b = msgspec.structs.replace(b, logprobs=None, overrides={"temperature": 0.7}, messages=None)
+    a = msgspec.structs.replace(a, advantages=a.logprobs, messages=[{"role": "user", "content": "q"}])
+    out = to_atropos(RolloutGroup(group_id="g", sequences=[a, b]))
+    assert out["inference_logprobs"] is None and out["advantages"] is None
+    assert out["overrides"] == [{}, {"temperature": 0.7}]
+    assert out["messages"] == [[{"role": "user", "content": "q"}], []]
+
+
+def test_the_reference_server_model_accepts_what_we_write() -> None:
+    server = pytest.importorskip("atroposlib.api.server", reason="atroposlib 0.4.0 not installed: "
+                                 "pip install atroposlib==0.4.0")
+    a, b = synthetic_rollout(2, [6, 4], vocab=VOCAB, seed=1).sequences
+    b = msgspec.structs.replace(b, logprobs=None, overrides={"temperature": 0.7})
+    native = synthetic_scored(RolloutGroup(group_id="g", sequences=[a, b], env_id=2), 3, vocab=VOCAB)
+    for msg in (native, rollout_from_atropos(reference_group()), rollout_from_atropos(reference_group(lengths=(1, 4)))):
+        out = json.loads(json.dumps(to_atropos(msg)))
+        parsed = server._scored_data_to_dict(server.ScoredData(**out))  # what the reference server stores
+        assert parsed == {key: out[key] for key in ATROPOS_KEYS}
+        back = rollout_from_atropos(parsed)
+        assert isinstance(back, ScoredGroup)
+        same_teacher(msg, back)  # type: ignore[arg-type]
+
+
+def test_real_shapes_round_trip() -> None:
+    """8 sequences of 4,096 tokens, vocabulary 151,936, k = 20, teacher rows on the completion only."""
+    vocab, k = 151_936, 20
+    g = synthetic_rollout(8, 4096, vocab=vocab, prompt_len=1024, seed=7)
+    s = synthetic_scored(g, k, vocab=vocab, seed=7)
+    wire = json.loads(json.dumps(to_atropos(s)))
+    assert sum(1 for e in wire["distill_token_ids"][0] if e) == 4096 - 1024
+    back = rollout_from_atropos({key: wire[key] for key in ATROPOS_KEYS}, limits=Limits(vocab_size=vocab))
+    assert isinstance(back, ScoredGroup)
+    same_teacher(s, back)
+    same(s.group.sequences, back.group.sequences)
 
 
 def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
@@ -212,14 +380,16 @@ BAD_INPUTS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("short masks", lambda r: r["masks"][1].pop(), "masks[1]"),
     ("missing scores", lambda r: r.pop("scores"), "scores"),
     ("nan score", _set(("scores", 2), math.nan), "scores[2]"),
-    ("short inference_logprobs", lambda r: r["inference_logprobs"][0].pop(), "inference_logprobs[0]"),
     ("nan inference_logprob", _set(("inference_logprobs", 1, 5), math.nan), "inference_logprobs[1]"),
     ("string logprob", _set(("inference_logprobs", 1, 5), "-1"), "inference_logprobs[1]"),
-    ("advantages ragged", _set(("advantages",), [[0.0] * 9, [0.0] * 13, [0.0] * 6]), "advantages[1]"),
-    ("ref_logprobs count", _set(("ref_logprobs",), [[0.0] * 9]), "ref_logprobs"),
-    ("overrides count", _set(("overrides",), [{}]), "overrides"),
+    ("string advantage", _set(("advantages",), [[0.0] * 9, ["x"] * 14, [0.0] * 6]), "advantages[1]"),
+    ("ref_logprobs not a list", _set(("ref_logprobs",), 5), "ref_logprobs"),
+    ("scores count", _set(("scores",), [1.0]), "scores"),
     ("override not a dict", _set(("overrides", 1), 5), "overrides[1]"),
-    ("messages not dicts", _set(("messages", 0), ["hi"]), "messages[0]"),
+    ("messages not dicts", _set(("messages", 0), ["hi"]), "messages[0][0]"),
+    ("message without content", _set(("messages", 1), [{"role": "user"}]), "messages[1][0]"),
+    ("message without role", _set(("messages", 1), [{"content": "x"}, {"role": "user"}]), "messages[1][0]"),
+    ("null message", _set(("messages", 2), [None]), "messages[2][0]"),
     ("group_overrides a list", _set(("group_overrides",), []), "group_overrides"),
     ("env_id a string", _set(("env_id",), "3"), "env_id"),
     ("distill short logprob entry", lambda r: r["distill_logprobs"][0][5].pop(), "distill_logprobs[0][5]"),
@@ -234,9 +404,9 @@ BAD_INPUTS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("distill seq count", lambda r: r["distill_logprobs"].pop(), "distill_logprobs"),
     ("only ids", _set(("distill_logprobs",), None), "distill_logprobs"),
     ("sampled token absent", lambda r: _drop_actual(r, 0, 4), "distill_token_ids[0][4]"),
-    ("k above max_k", _set(("group_overrides",), {"teacher_top_k": 257}), "group_overrides.teacher_top_k"),
+    ("k above max_k", _set(("distill_top_k",), 257), "distill_top_k"),
     ("k not int", _set(("group_overrides",), {"teacher_top_k": 2.5}), "group_overrides.teacher_top_k"),
-    ("fewer than k entries", _set(("group_overrides",), {"teacher_top_k": 6}), "distill_token_ids[0][3]"),
+    ("fewer than k entries", _set(("distill_top_k",), 6), "distill_token_ids[0][3]"),
     ("group_id not a string", _set(("group_id",), 12), "group_id"),
 ]
 

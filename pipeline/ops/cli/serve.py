@@ -1,0 +1,83 @@
+"""``distillq serve SERVER``: HTTP servers in front of the pipeline's streams.
+
+    distillq serve atropos [--host 127.0.0.1] [--port 8000] [--redis-url URL] [--namespace NS] [--lease-s 600]
+
+``atropos``: the Atropos API (``pipeline.serve.atropos_app``): environments POST scored groups, which go
+onto ``rollouts`` for the teacher workers; trainers GET ``/batch`` and receive the scored groups with
+``distill_token_ids``/``distill_logprobs`` filled. Every server is one ``add_<server>`` function below,
+listed in ``SERVERS``. ``python -m pipeline.ops.cli.serve SERVER ...`` runs one without the ``distillq``
+entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
+from pipeline.logs import configure_logging
+from pipeline.ops.cli.common import add_command, env_default
+
+
+def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = add_command(servers, "atropos", "the Atropos API server, backed by the pipeline's streams",
+                    "Atropos-compatible API: point an environment's rollout_server_url and a trainer's Atropos URL "
+                    "at it. State lives in Redis. Run no feeder on its namespace (docs/integrations.md).")
+    p.add_argument("--host", default=env_default("SERVE_HOST") or "127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface (no auth) (env DISTILLQ_SERVE_HOST)")
+    p.add_argument("--port", type=int, default=env_default("SERVE_PORT") or "8000",
+                   help="port; 8000 is the reference's (env DISTILLQ_SERVE_PORT)")
+    p.add_argument("--lease-s", type=float, default=600.0,
+                   help="lease of GET /batch?lease=1 before the batch is handed out again")
+    p.add_argument("--consumer-name", default="atropos-server",
+                   help="consumer name on the scored stream; keep it stable across restarts")
+    p.add_argument("--gzip-level", type=int, default=1, choices=range(1, 10), metavar="1-9",
+                   help="gzip level of responses (the reference uses 9, several times slower)")
+    p.add_argument("--access-log", action="store_true", help="log every request (environments poll at 10 Hz)")
+    add_redis_args(p)
+    p.set_defaults(func=run_atropos)
+
+
+def run_atropos(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pipeline.serve.atropos_app import create_app
+    from pipeline.serve.atropos_server import ServeConfig
+
+    cfg = ServeConfig(redis=redis_settings_from_args(args), streams=StreamSettings(), lease_s=args.lease_s,
+                      consumer_name=args.consumer_name, gzip_level=args.gzip_level)
+    structlog.get_logger("distillq.serve.atropos").info("atropos_listening", url=f"http://{args.host}:{args.port}",
+                                                        namespace=cfg.redis.namespace)
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, access_log=args.access_log, log_config=None,
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+#: One function per server, each adding its subcommand (``distillq serve NAME``).
+SERVERS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (add_atropos,)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = add_command(sub, "serve", "HTTP servers in front of the pipeline's streams (atropos, student)")
+    servers = p.add_subparsers(dest="server", required=True, metavar="SERVER")
+    for add in SERVERS:
+        add(servers)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.ops.cli.serve")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    servers = parser.add_subparsers(dest="server", required=True, metavar="SERVER")
+    for add in SERVERS:
+        add(servers)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""What the Atropos-compatible server's routes share (``Server``), its settings (``ServeConfig``), and
+its startup: Redis connected, the shard count read, the mover (scored -> queue) and heartbeat started."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+
+from pipeline.config import RedisSettings, StreamSettings
+from pipeline.serve.atropos_ingest import Ingest
+from pipeline.serve.atropos_queue import STAGE, AtroposQueue
+from pipeline.serve.atropos_state import AtroposState
+from pipeline.stages.runloop import Heartbeat, RunStats
+from pipeline.transport.connection import connect, retry_transient
+from pipeline.transport.keys import Keys
+from pipeline.transport.sharding import get_shards
+
+log = structlog.get_logger("distillq.serve.atropos")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    streams: StreamSettings = field(default_factory=StreamSettings)
+    lease_s: float = 600.0  # lease of ``GET /batch?lease=1`` unless the request names one (``lease_s``)
+    consumer_name: str = "atropos-server"  # stable: a restarted server gets back what it had read
+    gzip_level: int = 1
+    max_body_bytes: int = 1 << 30  # a request body (inflated) above this is refused with 413
+
+
+@dataclass
+class Server:
+    """What the routes share: Redis, the state, the queue, the ingest path, and the writers' lock."""
+
+    cfg: ServeConfig
+    redis: aioredis.Redis
+    keys: Keys
+    state: AtroposState
+    queue: AtroposQueue
+    ingest: Ingest
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    items_cache: tuple[float, list[tuple[int | None, int]]] = (0.0, [])
+
+    async def pending(self) -> list[tuple[int | None, int]]:
+        """(env id, sequences) of every group posted and not yet handed out, at most 0.2 s old (envs poll
+        ``/status-env`` every 0.1 s each)."""
+        loop = asyncio.get_running_loop()
+        at, items = self.items_cache
+        if loop.time() - at > 0.2:
+            items = [*await self.state.inflight(), *await self.queue.items()]
+            self.items_cache = (loop.time(), items)
+        return items
+
+
+async def open_server(cfg: ServeConfig, stop: asyncio.Event) -> tuple[Server, list[asyncio.Task[Any]]]:
+    """Connect, read the shard count, and start the mover and the heartbeat."""
+    redis = connect(cfg.redis)
+    keys = Keys(cfg.redis.namespace)
+    shards = await retry_transient(lambda: get_shards(redis, keys), deadline_s=60)
+    state = AtroposState(redis, keys)
+    queue = AtroposQueue(redis, keys, state, cfg.streams, consumer_name=cfg.consumer_name, shards=shards)
+    ingest = Ingest(redis, keys, state, cfg.streams, shards=shards, name=cfg.consumer_name)
+    server = Server(cfg, redis, keys, state, queue, ingest)
+    beat = Heartbeat(redis, keys.heartbeat(STAGE, cfg.consumer_name), cfg.streams.heartbeat_interval_s)
+    tasks = [asyncio.create_task(queue.run_mover(stop), name="atropos-mover"),
+             asyncio.create_task(beat.run(stop, RunStats()), name="atropos-heartbeat")]
+    log.info("atropos_server_ready", namespace=keys.namespace, shards=shards, consumer=cfg.consumer_name)
+    return server, tasks
