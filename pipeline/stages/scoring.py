@@ -4,7 +4,8 @@ Rules (the reference system's, made explicit):
 
 * ``group.discard`` -> SKIPPED ``discarded``; never sent to the teacher.
 * ``group_overrides.skip_teacher_top_k`` true -> SKIPPED ``skip_teacher_top_k``.
-* k = ``group_overrides.teacher_top_k`` if present (below 1 raised to 1), else ``default_k``. Above the
+* ``group_overrides.teacher_top_k <= -1`` -> SKIPPED ``teacher_top_k=-1: no teacher`` (the Atropos rule).
+* k = ``group_overrides.teacher_top_k`` if present (0 raised to 1), else ``default_k``. Above the
   teacher's cap: ``k_over_cap="clamp"`` uses the cap (recorded in ``ScoredGroup.k``), ``"drop"`` drops
   the group's payload with reason ``k_over_cap: ...``.
 * Each sequence asks for the teacher rows the learner trains on (row ``r`` where ``loss_mask[r + 1]`` is 1;
@@ -55,6 +56,7 @@ from schemas.validate import DecodeError, Limits, validate_teacher_part
 log = structlog.get_logger(__name__)
 
 SKIP_REASON = "skip_teacher_top_k"
+NO_TEACHER_REASON = "teacher_top_k=-1: no teacher"
 DISCARD_REASON = "discarded"
 
 
@@ -170,6 +172,12 @@ def _request(seq: Sequence, k: int, all_rows: bool) -> ScoreRequest:
     return ScoreRequest(arr, k, None if all_rows else trained_rows(seq))
 
 
+def _no_teacher(group: RolloutGroup) -> bool:
+    """``teacher_top_k`` of -1 or below: the group asks for no teacher at all."""
+    raw = group.overrides.get("teacher_top_k")
+    return isinstance(raw, int) and not isinstance(raw, bool) and raw <= -1
+
+
 def _failure_reason(f: ScoreFailure) -> str:
     if f.reason.startswith((MISALIGNED, K_OVER_CAP)):
         return f.reason
@@ -224,6 +232,8 @@ class Scorer:
                 done[g] = (DistillStatus.SKIPPED, DISCARD_REASON)
             elif group.overrides.get(SKIP_REASON):
                 done[g] = (DistillStatus.SKIPPED, SKIP_REASON)
+            elif _no_teacher(group):
+                done[g] = (DistillStatus.SKIPPED, NO_TEACHER_REASON)
             else:
                 ks[g], drop = self.group_k(group)
                 if drop is not None:
