@@ -2,7 +2,8 @@
 
 For benchmarks (a no-op teacher, or a fixed 50 ms per call for scaling runs) and fault tests (the
 same input always yields the same arrays, so a run under faults can be compared with a clean one).
-Only the requested rows are made (``ScoreRequest.rows``). Row r's top-k ids are ``(tokens[r+1] + j) % vocab_size`` for ``j = 0..k-1``, with logprobs ``-0.1 - j``:
+Only the requested rows are made (``ScoreRequest.rows``). Row r's top-k ids are
+``(tokens[r+1] + j) % vocab_size`` for ``j = 0..k-1``, with logprobs ``-0.1 - j``:
 distinct within a row (k <= vocab_size), all in ``[0, vocab_size)`` for tokens in it, and the sampled
 token always first, so its teacher logprob is ``-0.1``.
 

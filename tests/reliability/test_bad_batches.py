@@ -58,7 +58,8 @@ def advantages_values(t: Tree, rng: random.Random) -> None:
 
 
 def envelope(t: Tree, rng: random.Random) -> None:
-    key, value = rng.choice([("schema", SCHEMA_VERSION + 1), ("schema", 0), ("t", "batches"), ("batch_id", 7), ("groups", {}),
+    key, value = rng.choice([("schema", SCHEMA_VERSION + 1), ("schema", 0), ("t", "batches"), ("batch_id", 7),
+                             ("groups", {}),
                              ("advantages", None), ("kl_coef", "high")])
     t[key] = value
 
