@@ -9,7 +9,7 @@ its peak RSS (``/proc/self/clear_refs``), scores, and reports ``VmHWM - VmRSS(lo
 * **new, 8 x 4096**: one group, a 1024-token prompt shared by 8 sequences of 3072 completion tokens each,
   the completion rows requested (what ``Scorer`` asks for), ``HFTeacher`` defaults.
 * **new, 8 x 1024, all rows**: 8 unrelated random sequences, every row: the old code's workload.
-* **old, 8 x 1024**: the previous ``HFTeacher._forward`` algorithm, copied here as the baseline: full
+* **old, 8 x 1024**: the previous ``HFTeacher._forward`` algorithm (``bench.teacher.bare``) as the baseline: full
   ``[tokens, V]`` logits, float32 log-softmax over all rows, top-k. Run with ``--old-batch-tokens`` padded
   tokens per forward (default 2048, two sequences; 8192 scores all 8 at once and peaks near 15 GB).
 * **counts**: a 1024-token prompt + 8 x 1024 completions, completion rows: tokens through the base model
@@ -29,7 +29,6 @@ from datetime import date
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 K = 64
 GROUP = 8
@@ -65,35 +64,6 @@ def group_requests(prompt: int, completion: int, vocab: int, seed: int = 0) -> l
     ]
 
 
-def old_forward(model: Any, seqs: list[npt.NDArray[np.int32]], k: int, budget: int) -> int:
-    """The previous algorithm (``HFTeacher._forward`` before row selection): full logits, log-softmax over
-    ``[tokens, V]``, top-k, sampled gather. Returns the rows scored."""
-    import torch
-
-    from pipeline.teacher.hf import plan_chunks
-
-    lens = [len(s) for s in seqs]
-    done = 0
-    with torch.inference_mode():
-        for chunk in plan_chunks(lens, budget):
-            width = max(lens[i] for i in chunk)
-            ids = np.zeros((len(chunk), width), np.int64)
-            mask = np.zeros_like(ids)
-            for j, i in enumerate(chunk):
-                ids[j, : lens[i]] = seqs[i]
-                mask[j, : lens[i]] = 1
-            t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
-            logits = model(input_ids=t_ids, attention_mask=t_mask).logits[:, :-1]
-            keep = t_mask[:, 1:].bool()
-            logp = torch.log_softmax(logits[keep].float(), dim=-1)
-            top = torch.topk(logp, k, dim=-1, sorted=True)
-            sampled = logp.gather(-1, t_ids[:, 1:][keep].unsqueeze(-1)).squeeze(-1)
-            top.values.numpy(), top.indices.to(torch.int32).numpy(), sampled.numpy()
-            done += int(keep.sum())
-            del logits, logp, top, sampled
-    return done
-
-
 async def _new(model: Any, reqs: list[Any]) -> dict[str, Any]:
     from pipeline.teacher.base import ScoreResult
     from pipeline.teacher.hf import HFTeacher
@@ -126,10 +96,12 @@ def run_case(case: str, threads: int, old_budget: int) -> dict[str, Any]:
     vocab = int(model.config.vocab_size)
     rng = np.random.default_rng(1)
     if case == "old-1024":
+        from bench.teacher import bare  # the algorithm before row selection and chunking
+
         seqs = [rng.integers(0, vocab, 1024, dtype=np.int32) for _ in range(GROUP)]
         rss0 = _reset_peak()
         t0 = time.perf_counter()
-        rows = old_forward(model, seqs, K, old_budget)
+        rows = bare(model, seqs, K, old_budget)
         res: dict[str, Any] = {"seconds": time.perf_counter() - t0, "tokens_computed": GROUP * 1024}
         res["rows_computed"] = rows
     else:

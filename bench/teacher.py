@@ -47,7 +47,11 @@ def make_groups(n_groups: int, per_group: int, lo: int, hi: int, vocab: int, see
 
 
 def bare(model: Any, seqs: list[np.ndarray], k: int, budget: int) -> int:
-    """Batched forward + top-k of every sequence; returns the number of rows scored."""
+    """Batched forward + top-k of every sequence; returns the number of rows scored.
+
+    The teacher's algorithm before row selection and chunking (full logits, a float32 log-softmax over
+    ``[tokens, V]``): the baseline of ``bench.hf_teacher`` too. Each chunk's tensors are freed before the
+    next forward, so a peak-memory reading is that of one chunk."""
     lens = [len(s) for s in seqs]
     rows = 0
     with torch.inference_mode():
@@ -62,10 +66,11 @@ def bare(model: Any, seqs: list[np.ndarray], k: int, budget: int) -> int:
             logits = model(input_ids=t_ids, attention_mask=t_mask).logits[:, :-1]
             keep = t_mask[:, 1:].bool()
             logp = torch.log_softmax(logits[keep].float(), dim=-1)
-            top = torch.topk(logp, k, dim=-1)
-            sampled = logp.gather(-1, t_ids[:, 1:][keep].unsqueeze(-1))
-            top.values.numpy(), top.indices.numpy(), sampled.numpy()
+            top = torch.topk(logp, k, dim=-1, sorted=True)
+            sampled = logp.gather(-1, t_ids[:, 1:][keep].unsqueeze(-1)).squeeze(-1)
+            top.values.numpy(), top.indices.to(torch.int32).numpy(), sampled.numpy()
             rows += int(keep.sum())
+            del logits, logp, top, sampled
     return rows
 
 
