@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import socket
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -71,6 +72,8 @@ def _os_reason(exc: BaseException) -> str | None:
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        if isinstance(cur, ssl.SSLError):  # an OSError whose errno is the TLS library's code, not the OS's
+            return f"TLS: {cur}"
         if isinstance(cur, OSError):
             if isinstance(cur.errno, int) and cur.errno > 0:
                 return os.strerror(cur.errno)
