@@ -38,6 +38,12 @@ TEACHER_DROPS: Final = Counter("distillq_teacher_drops_total", "distill payloads
 TEACHER_TOKENS: Final = Counter("distillq_teacher_tokens_total", "tokens scored by the teacher")
 TEACHER_LATENCY: Final = Histogram("distillq_teacher_call_seconds", "teacher backend call latency")
 
+STUDENT_SESSIONS: Final = Gauge("distillq_student_sessions", "rollouts tracked by the student server")
+STUDENT_SESSIONS_EVICTED: Final = Counter(
+    "distillq_student_sessions_evicted_total", "rollouts dropped before being finished", ["reason"]
+)
+STUDENT_GROUPS: Final = Counter("distillq_student_groups_total", "groups built from finished rollouts", ["kind"])
+
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
     """Expose /metrics on ``host:port`` (port 0 disables)."""

@@ -4,7 +4,8 @@ The HF and vLLM backends are not imported here (``torch`` / ``httpx`` stay optio
 import ``pipeline.rollout.student_hf`` or ``pipeline.rollout.student_vllm`` directly.
 """
 
-from pipeline.rollout.openai_facade import ChatCompletion, TextCompletion, TrackedClient
+from pipeline.rollout.openai_facade import TrackedClient
+from pipeline.rollout.openai_types import ChatCompletion, ChatCompletionChunk, Stream, TextCompletion
 from pipeline.rollout.rewards import RewardFn, get_reward, register_reward
 from pipeline.rollout.sampler import group_from_tracker, sample_group
 from pipeline.rollout.student_base import Completion, GenParams, StudentBackend, StudentBackendError
@@ -12,10 +13,12 @@ from pipeline.rollout.tracker import Node, Tracker, TrackerState, TrackerStats
 
 __all__ = [
     "ChatCompletion",
+    "ChatCompletionChunk",
     "Completion",
     "GenParams",
     "Node",
     "RewardFn",
+    "Stream",
     "StudentBackend",
     "StudentBackendError",
     "TextCompletion",

@@ -4,8 +4,14 @@
 and ``client.completions.create(prompt=...)`` return standard-shaped objects (attribute access, plus
 ``model_dump()``) with the token data RL libraries read: ``response.prompt_token_ids``,
 ``choices[i].token_ids`` and ``choices[i].logprobs.content[j].logprob`` / ``.token`` (``"token_id:N"``
-when ``extra_body={"return_tokens_as_token_ids": True}``, as older verifiers parse). Logprobs are always
+when ``extra_body={"return_tokens_as_token_ids": True}``, the vLLM option). Logprobs are always
 filled in (the tracker has them anyway); ``top_logprobs`` lists stay empty.
+
+``stream=True`` returns an async iterator of ``chat.completion.chunk`` (``text_completion``) objects, as
+the openai SDK does: per choice a role chunk, one content chunk (with the choice's ``logprobs`` and
+``token_ids``) and a chunk with its ``finish_reason``; with ``stream_options={"include_usage": True}``
+a last chunk with no choices carries ``usage``. The backends return whole completions, so the chunks are
+produced once sampling is done (the request is tracked exactly like a non-streaming one).
 
 Chat prompts are rendered with the tokenizer's chat template (``tokenize=False``, then encoded without
 extra special tokens). To tell the tracker which sequence a request continues, the client remembers the
@@ -22,101 +28,33 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgspec
 import structlog
 
+from pipeline.rollout.openai_types import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatMessage,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    Stream,
+    TextCompletion,
+    TextCompletionChunk,
+    TokenLogprob,
+    Usage,
+    _include_usage,
+    chat_chunks,
+    text_chunks,
+)
 from pipeline.rollout.student_base import Completion, StudentBackend
 from pipeline.rollout.tracker import Tracker
 
 log = structlog.get_logger(__name__)
 TOKEN_ID_PREFIX = "token_id:"
-
-
-class _Obj(msgspec.Struct, kw_only=True):
-    def model_dump(self) -> dict[str, Any]:
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
-
-
-class TopLogprob(_Obj):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(_Obj):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
-    token_id: int = 0
-
-
-class ChoiceLogprobs(_Obj):
-    content: list[TokenLogprob]
-
-
-class ChatMessage(_Obj):
-    role: str = "assistant"
-    content: str | None = None
-    tool_calls: list[Any] | None = None
-    refusal: str | None = None
-    reasoning_content: str | None = None
-
-
-class Usage(_Obj):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatChoice(_Obj):
-    index: int
-    message: ChatMessage
-    finish_reason: str
-    logprobs: ChoiceLogprobs | None
-    token_ids: list[int]
-    node_id: int  # tracker node holding the full sequence
-
-
-class ChatCompletion(_Obj):
-    id: str
-    choices: list[ChatChoice]
-    created: int
-    model: str
-    usage: Usage
-    prompt_token_ids: list[int]
-    object: str = "chat.completion"
-    system_fingerprint: str | None = None
-
-
-class CompletionLogprobs(_Obj):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(_Obj):
-    index: int
-    text: str
-    finish_reason: str
-    logprobs: CompletionLogprobs | None
-    token_ids: list[int]
-    node_id: int
-
-
-class TextCompletion(_Obj):
-    id: str
-    choices: list[CompletionChoice]
-    created: int
-    model: str
-    usage: Usage
-    prompt_token_ids: list[int]
-    object: str = "text_completion"
-    system_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,8 +211,6 @@ class TrackedClient:
 
     def options(self, kw: dict[str, Any]) -> dict[str, Any]:
         """Normalise OpenAI request parameters; unsupported ones are ignored (logged at debug)."""
-        if kw.pop("stream", False):
-            raise NotImplementedError("stream=True is not supported by the tracked client")
         stop = kw.pop("stop", None)
         max_tokens = kw.pop("max_completion_tokens", None)
         legacy_max = kw.pop("max_tokens", None)
@@ -312,8 +248,30 @@ class _ChatCompletions:
     def __init__(self, client: TrackedClient) -> None:
         self._client = client
 
-    async def create(self, *, messages: Sequence[Any], model: str | None = None, **kwargs: Any) -> ChatCompletion:
+    @overload
+    async def create(
+        self, *, messages: Sequence[Any], model: str | None = None, stream: Literal[False] = False, **kwargs: Any
+    ) -> ChatCompletion: ...
+
+    @overload
+    async def create(
+        self, *, messages: Sequence[Any], model: str | None = None, stream: Literal[True], **kwargs: Any
+    ) -> Stream[ChatCompletionChunk]: ...
+
+    @overload
+    async def create(
+        self, *, messages: Sequence[Any], model: str | None = None, stream: bool, **kwargs: Any
+    ) -> ChatCompletion | Stream[ChatCompletionChunk]: ...
+
+    async def create(
+        self, *, messages: Sequence[Any], model: str | None = None, stream: bool = False, **kwargs: Any
+    ) -> ChatCompletion | Stream[ChatCompletionChunk]:
         """Chat completion through the tracker (``n`` choices branch from one prompt)."""
+        include_usage = _include_usage(kwargs)
+        response = await self._create(list(messages), model, kwargs)
+        return Stream(chat_chunks(response, include_usage), response) if stream else response
+
+    async def _create(self, messages: list[Any], model: str | None, kwargs: dict[str, Any]) -> ChatCompletion:
         c = self._client
         tools = kwargs.pop("tools", None)
         kwargs.pop("tool_choice", None)
@@ -356,8 +314,30 @@ class _Completions:
     def __init__(self, client: TrackedClient) -> None:
         self._client = client
 
-    async def create(self, *, prompt: str | list[int], model: str | None = None, **kwargs: Any) -> TextCompletion:
+    @overload
+    async def create(
+        self, *, prompt: str | list[int], model: str | None = None, stream: Literal[False] = False, **kwargs: Any
+    ) -> TextCompletion: ...
+
+    @overload
+    async def create(
+        self, *, prompt: str | list[int], model: str | None = None, stream: Literal[True], **kwargs: Any
+    ) -> Stream[TextCompletionChunk]: ...
+
+    @overload
+    async def create(
+        self, *, prompt: str | list[int], model: str | None = None, stream: bool, **kwargs: Any
+    ) -> TextCompletion | Stream[TextCompletionChunk]: ...
+
+    async def create(
+        self, *, prompt: str | list[int], model: str | None = None, stream: bool = False, **kwargs: Any
+    ) -> TextCompletion | Stream[TextCompletionChunk]:
         """Text completion through the tracker; ``prompt`` may be a string or token ids."""
+        include_usage = _include_usage(kwargs)
+        response = await self._create(prompt, model, kwargs)
+        return Stream(text_chunks(response, include_usage), response) if stream else response
+
+    async def _create(self, prompt: str | list[int], model: str | None, kwargs: dict[str, Any]) -> TextCompletion:
         c = self._client
         if kwargs.pop("echo", False):
             raise NotImplementedError("echo=True is not supported by the tracked client")

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.rollout.openai_facade import ChatCompletion, TextCompletion, TrackedClient
+from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.rewards import RewardFn, no_reward, score
 from pipeline.rollout.student_base import GenParams, StudentBackend
 from pipeline.rollout.tracker import Tracker
@@ -44,25 +44,19 @@ async def sample_group(
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     p = params or GenParams()
     client = backend if isinstance(backend, TrackedClient) else TrackedClient(backend, Tracker())
-    kwargs: dict[str, Any] = {
-        "n": group_size,
-        "max_tokens": p.max_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "seed": p.seed,
-        "stop_token_ids": list(p.stop_token_ids),
-        "logprobs": True,
-    }
-    response: ChatCompletion | TextCompletion
     if isinstance(prompt, str):
-        response = await client.completions.create(prompt=prompt, **kwargs)
-        texts = [c.text for c in response.choices]
-        node_ids = [c.node_id for c in response.choices]
+        tr = await client.completions.create(
+            prompt=prompt, stream=False, n=group_size, max_tokens=p.max_tokens, temperature=p.temperature,
+            top_p=p.top_p, seed=p.seed, stop_token_ids=list(p.stop_token_ids), logprobs=True,
+        )  # fmt: skip
+        texts, node_ids = [c.text for c in tr.choices], [c.node_id for c in tr.choices]
     else:
-        messages = [dict(m) for m in prompt]
-        response = await client.chat.completions.create(messages=messages, **kwargs)
-        texts = [c.message.content or "" for c in response.choices]
-        node_ids = [c.node_id for c in response.choices]
+        chat = await client.chat.completions.create(
+            messages=[dict(m) for m in prompt], stream=False, n=group_size, max_tokens=p.max_tokens,
+            temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop_token_ids=list(p.stop_token_ids), logprobs=True,
+        )  # fmt: skip
+        texts = [c.message.content or "" for c in chat.choices]
+        node_ids = [c.node_id for c in chat.choices]
     scores = await asyncio.gather(*(score(reward_fn, t, answer) for t in texts))
     sequences: list[WireSequence] = []
     for node_id, text, s in zip(node_ids, texts, scores, strict=True):

@@ -7,7 +7,19 @@ the completion trainable, earlier completion tokens keep their mask and logprobs
 ids only, never on text. ``n > 1`` completions of one prompt become ``n`` sibling sequences.
 
 Modes: ``default`` keeps a list of current sequences and replaces a parent by its extensions (in its
-place); ``tree`` keeps every node with its parent id.
+place), so a later request that branches from an already extended turn starts a new sequence (the
+earlier turns' sampled tokens are then masked on it). ``tree`` keeps every node with its parent id and
+reproduces verifiers 0.4's message graph (``Trace.branches``): each leaf is one training sample, a
+request continuing any earlier turn extends that turn's branch with its sampled tokens still trainable,
+and a turn extended several times (retries, branching histories) gives several leaves.
+
+Closed replies: when ``record`` is given ``stop_token_ids`` (the ids that end a reply), a sequence whose
+last completion did not end on one of them (it was cut by ``max_tokens``) is continued only if the next
+prompt token is one of them: a chat template closes a reply it re-renders with its end-of-turn token, so
+any other token means the reply's text was changed after sampling (verifiers then records the changed
+reply as a new, non-sampled message, and the sampled tokens are not trained on that path). Such a
+request counts as a divergence (``reason="reply_changed"``) and extends the longest earlier sequence
+that qualifies.
 
 Divergence: when a request was meant to continue a sequence but its ids do not start with that
 sequence's ids (a chat template that re-tokenises, strips reasoning, or renders special tokens
@@ -50,6 +62,12 @@ class Node:
     parent: int | None
     finish_reason: str
     turns: int  # completions along the path from the root, this one included
+    open_end: bool = False  # stop ids were given and the completion did not end on one
+
+    def continued_by(self, prompt: tuple[int, ...], stops: frozenset[int]) -> bool:
+        """Whether ``prompt`` (which starts with this node's tokens) continues it with the reply intact."""
+        n = len(self.tokens)
+        return not (self.open_end and stops and len(prompt) > n and prompt[n] not in stops)
 
     @property
     def length(self) -> int:
@@ -150,42 +168,58 @@ class Tracker:
         completions: Sequence[Completion],
         *,
         expected_parents: Iterable[int] = (),
+        stop_token_ids: Iterable[int] = (),
     ) -> list[int]:
         """Track ``completions`` of ``prompt_ids``; returns one node id per completion, in order.
 
         ``expected_parents``: node ids this request is meant to continue (e.g. found from chat history);
         when none of the live ones is an exact token prefix of ``prompt_ids`` that is a divergence.
+        ``stop_token_ids``: the ids that end a reply (see "Closed replies" above); none disables the check.
         """
         prompt = tuple(int(t) for t in prompt_ids)
         if not prompt:
             raise ValueError("prompt_ids is empty")
+        stops = frozenset(int(t) for t in stop_token_ids)
         expected = [i for i in expected_parents if i in self._nodes]
-        parent = self._find_parent(prompt, expected)
-        self._check_divergence(prompt, parent, expected)
+        parent, changed = self._find_parent(prompt, expected, stops)
+        if changed is not None:
+            self._diverged(prompt, changed, parent, "reply_changed")
+        else:
+            self._check_divergence(prompt, parent, expected)
         self.stats.requests += 1
         self.stats.completions += len(completions)
         if parent is None:
             self.stats.new_sequences += 1
         else:
             self.stats.extended += 1
-        ids = [self._add(self._build(prompt, parent, c)) for c in completions]
+        ids = [self._add(self._build(prompt, parent, c, stops)) for c in completions]
         if parent is not None and self.mode == "default" and ids:
             self._replace(parent.id, ids)
         elif parent is not None and self.mode == "tree":
             self._children[parent.id] = self._children.get(parent.id, 0) + len(ids)
         return ids
 
-    def _find_parent(self, prompt: tuple[int, ...], expected: list[int]) -> Node | None:
+    def _find_parent(
+        self, prompt: tuple[int, ...], expected: list[int], stops: frozenset[int]
+    ) -> tuple[Node | None, Node | None]:
+        """The node to extend, and the longest prefix node refused because its reply was changed."""
         best: Node | None = None
+        changed: Node | None = None
         for node in self.nodes():
             n = node.length
             if n > len(prompt) or (best is not None and n < best.length):
                 continue
             if prompt[:n] != node.tokens:
                 continue
+            if not node.continued_by(prompt, stops):
+                if changed is None or n >= changed.length:
+                    changed = node
+                continue
             if best is None or n > best.length or node.id in expected or best.id not in expected:
                 best = node  # longest; on ties the expected one, else the most recent
-        return best
+        if changed is not None and best is not None and best.length > changed.length:
+            changed = None  # a longer intact sequence is extended: nothing was lost
+        return best, changed
 
     def _check_divergence(self, prompt: tuple[int, ...], parent: Node | None, expected: list[int]) -> None:
         if expected:
@@ -220,7 +254,7 @@ class Tracker:
             action="extend_shorter_prefix" if parent is not None else "new_sequence",
         )
 
-    def _build(self, prompt: tuple[int, ...], parent: Node | None, c: Completion) -> Node:
+    def _build(self, prompt: tuple[int, ...], parent: Node | None, c: Completion, stops: frozenset[int]) -> Node:
         if parent is None:
             tokens, mask, lps = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
             spans: list[tuple[int, int]] = []
@@ -248,6 +282,7 @@ class Tracker:
             parent=parent.id if parent is not None else None,
             finish_reason=c.finish_reason,
             turns=turns,
+            open_end=bool(stops) and not (c.token_ids and int(c.token_ids[-1]) in stops),
         )
 
     def _add(self, node: Node) -> int:

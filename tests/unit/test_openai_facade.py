@@ -1,4 +1,5 @@
-"""OpenAI-compatible facade, called the way a verifiers environment calls ``AsyncOpenAI``."""
+"""OpenAI-compatible facade, called the way rollout code calls ``openai.AsyncOpenAI``: chat and text
+completions, multi-turn tracking by token ids, stop strings, and ``stream=True`` chunks."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def canon(tok: Any, text: str, eos: bool = True) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False)) + ([EOS] if eos else [])
 
 
-async def test_verifiers_style_multi_turn_with_a_tool_turn(tok: Any) -> None:
+async def test_multi_turn_chat_with_a_tool_turn(tok: Any) -> None:
     backend = Scripted(tok, [canon(tok, "15"), canon(tok, "<think>ok</think>call"), canon(tok, "done")])
     client = TrackedClient(backend)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "12+3="}]
@@ -166,7 +167,7 @@ async def test_response_shape_and_token_id_strings(tok: Any) -> None:
     r2 = await client.chat.completions.create(
         model="student", messages=msgs, extra_body={"return_tokens_as_token_ids": True}
     )
-    parsed = [int(x.token.split(":")[-1]) for x in r2.choices[0].logprobs.content]  # older verifiers parse this
+    parsed = [int(x.token.split(":")[-1]) for x in r2.choices[0].logprobs.content]  # vLLM's "token_id:N" strings
     assert parsed == r2.choices[0].token_ids
 
 
@@ -190,12 +191,73 @@ async def test_completions_api_multi_turn_and_unsupported_options(tok: Any) -> N
     assert node.parent == c1.node_id and client.tracker.stats.divergences == 0
     assert node.spans == ((4, 5), (len(r2.prompt_token_ids), len(r2.prompt_token_ids) + 2))
     with pytest.raises(NotImplementedError):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], stream=True)
-    with pytest.raises(NotImplementedError):
         await client.completions.create(model="m", prompt="a", echo=True)
     assert client.copy() is client
     client.reset()
     assert client.tracker.nodes() == []
+
+
+async def collect(stream: Any) -> list[Any]:
+    async with stream:
+        return [chunk async for chunk in stream]
+
+
+async def test_chat_stream_yields_role_content_finish_per_choice_then_usage(tok: Any) -> None:
+    replies = [canon(tok, "15"), canon(tok, "16", eos=False)]
+    client = TrackedClient(Scripted(tok, [*replies, *replies]))
+    msgs = [{"role": "user", "content": "12+3="}]
+    whole = await client.chat.completions.create(model="m", messages=msgs, n=2, max_tokens=8)
+    stream = await client.chat.completions.create(
+        model="m", messages=msgs, n=2, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = await collect(stream)
+    assert len(chunks) == 2 * 3 + 1 and {c.id for c in chunks} == {stream.response.id}
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].prompt_token_ids == whole.prompt_token_ids and chunks[1].prompt_token_ids is None
+    for i, (w, same) in enumerate(zip(whole.choices, stream.response.choices, strict=True)):
+        role, content, finish = (c.choices[0] for c in chunks[3 * i : 3 * i + 3])
+        assert (role.index, content.index, finish.index) == (i, i, i)
+        assert role.delta.model_dump() == {"role": "assistant", "content": ""}
+        assert content.delta.content == w.message.content and content.token_ids == w.token_ids
+        assert content.logprobs == same.logprobs
+        want = [-0.2 - 0.01 * j for j in range(len(same.token_ids))]  # the scripted backend's second call
+        assert [x.logprob for x in same.logprobs.content] == pytest.approx(want)
+        assert finish.delta.model_dump() == {} and finish.finish_reason == w.finish_reason
+        assert role.finish_reason is None and content.finish_reason is None
+    last = chunks[-1]
+    assert last.choices == [] and last.usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    nodes = [c.node_id for c in stream.response.choices]
+    assert all(client.tracker.get(n).tokens[-len(r) :] == tuple(r) for n, r in zip(nodes, replies, strict=True))
+    assert client.tracker.stats.requests == 2  # a streamed request is tracked like any other
+
+
+async def test_stream_without_include_usage_has_no_usage_chunk_and_text_streams_too(tok: Any) -> None:
+    client = TrackedClient(Scripted(tok, [canon(tok, "15"), canon(tok, "8")]))
+    chat = await collect(
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], stream=True)
+    )
+    assert len(chat) == 3 and all(c.usage is None and c.choices for c in chat)
+    text = await collect(
+        await client.completions.create(model="m", prompt="12+3=", stream=True, stream_options={"include_usage": True})
+    )
+    assert [c.object for c in text] == ["text_completion"] * 2
+    assert text[0].choices[0].text == "8" and text[0].choices[0].finish_reason == "stop"
+    assert text[0].choices[0].token_ids == canon(tok, "8") and text[1].usage.completion_tokens == 2
+    with pytest.raises(TypeError, match="stream_options"):
+        await client.chat.completions.create(model="m", messages=[], stream=True, stream_options="yes")
+
+
+async def test_stream_chunks_parse_as_the_openai_sdk_types(tok: Any) -> None:
+    types = pytest.importorskip("openai.types.chat", reason="the openai SDK is not installed")
+    client = TrackedClient(Scripted(tok, [canon(tok, "15")]))
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "a"}], stream=True, stream_options={"include_usage": True}
+    )
+    parsed = [types.ChatCompletionChunk.model_validate(json.loads(json.dumps(c.model_dump()))) for c in stream.chunks]
+    assert "".join(p.choices[0].delta.content or "" for p in parsed if p.choices) == "15"
+    assert parsed[-1].usage is not None and parsed[-1].usage.completion_tokens == 2
+    assert parsed[2].choices[0].finish_reason == "stop"
 
 
 async def test_sample_group_scores_each_completion(tok: Any) -> None:

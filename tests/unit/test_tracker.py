@@ -153,6 +153,75 @@ def test_default_mode_follow_up_from_a_replaced_state_starts_fresh() -> None:
     tr.record(P + c1.token_ids + U, [comp([20])])
     [n3] = tr.record(P + c1.token_ids + [2, 3, 60, 4], [comp([21])])  # branching needs tree mode
     assert tr.get(n3).parent is None and tr.stats.divergences == 0
+    assert tr.get(n3).mask[len(P) : len(P) + 2] == (0, 0)  # the first reply is prompt on this sequence
+
+
+def test_tree_mode_branch_from_an_earlier_turn_keeps_that_turn_trainable() -> None:
+    """verifiers' graph: the first reply is on both branches, sampled (trainable) on each."""
+    tr = Tracker("tree")
+    c1, c2, c3 = comp([10, 2], base=-0.2), comp([20, 2]), comp([21], base=-0.9)
+    [n1] = tr.record(P, [c1])
+    [n2] = tr.record(P + c1.token_ids + U, [c2])
+    [n3] = tr.record(P + c1.token_ids + [2, 3, 60, 4], [c3])
+    seqs = tr.sequences(scores=[1.0, 2.0])
+    assert [n.id for n in tr.leaves()] == [n2, n3] and tr.get(n3).parent == n1
+    for seq, last in zip(seqs, (c2, c3), strict=True):
+        mask, lp = seq.loss_mask.numpy(), seq.logprobs.numpy()
+        assert mask[len(P) : len(P) + 2].tolist() == [1, 1] and np.allclose(lp[len(P) : len(P) + 2], c1.logprobs)
+        assert mask[-len(last.token_ids) :].all() and mask.sum() == 2 + len(last.token_ids)
+        validate_sequence(seq, "seq", Limits())
+
+
+def test_tree_mode_retries_of_one_prompt_are_sibling_leaves() -> None:
+    tr = Tracker("tree")
+    [a] = tr.record(P, [comp([10, 2])])
+    [b] = tr.record(P, [comp([11, 2])])  # the same prompt again (a retry)
+    [b2] = tr.record([*P, 11, 2, *U[1:]], [comp([30])])  # continues the retry, not the first attempt
+    assert [n.id for n in tr.leaves()] == [a, b2] and tr.get(b2).parent == b and tr.get(b).parent is None
+    assert tr.stats.divergences == 0
+
+
+@pytest.mark.parametrize("mode", ["default", "tree"])
+def test_reply_cut_by_max_tokens_continues_when_the_template_closes_it(mode: str) -> None:
+    tr = Tracker(mode)  # type: ignore[arg-type]
+    cut = comp([10, 11], finish="length")
+    [n1] = tr.record(P, [cut], stop_token_ids=[2])
+    assert tr.get(n1).open_end
+    [n2] = tr.record([*P, 10, 11, 2, 3, 50, 4], [comp([20, 2])], stop_token_ids=[2])  # "</s>" closes it
+    assert tr.get(n2).parent == n1 and tr.stats.divergences == 0
+    assert tr.to_sequence(n2).loss_mask.numpy()[len(P) : len(P) + 2].tolist() == [1, 1]
+
+
+def test_reply_changed_after_sampling_is_not_trained_on_that_path() -> None:
+    """A reply cut by ``max_tokens`` comes back with text appended ("!" = 12 here): its sampled ids are
+    still a prefix, but the reply is a different message, so verifiers starts a new branch."""
+    tr = Tracker("tree")
+    cut = comp([10, 11], finish="length")
+    [n1] = tr.record(P, [cut], stop_token_ids=[2])
+    edited = [*P, 10, 11, 12, 2, 3, 50, 4]
+    with capture_logs() as logs:
+        [n2] = tr.record(edited, [comp([20, 2])], stop_token_ids=[2])
+    assert tr.get(n2).parent is None and tr.stats.divergences == 1
+    [ev] = logs
+    assert ev["reason"] == "reply_changed" and ev["node"] == n1 and ev["action"] == "new_sequence"
+    assert [n.id for n in tr.leaves()] == [n1, n2]
+    assert tr.to_sequence(n2).loss_mask.numpy().tolist() == [0] * len(edited) + [1, 1]
+    legacy = Tracker("tree")  # without stop ids nothing tells a changed reply from a closed one
+    [m1] = legacy.record(P, [cut])
+    [m2] = legacy.record(edited, [comp([20, 2])])
+    assert legacy.get(m2).parent == m1
+
+
+def test_changed_reply_extends_the_longest_intact_earlier_turn() -> None:
+    tr = Tracker("tree")
+    [n1] = tr.record(P, [comp([10, 2])], stop_token_ids=[2])  # closed by its stop token
+    s1 = list(tr.get(n1).tokens)
+    [n2] = tr.record(s1 + U[1:], [comp([20, 21], finish="length")], stop_token_ids=[2])
+    with capture_logs() as logs:
+        [n3] = tr.record([*s1, *U[1:], 20, 21, 22, 2, 3, 60, 4], [comp([5])], stop_token_ids=[2])
+    assert tr.get(n3).parent == n1 and logs[0]["action"] == "extend_shorter_prefix" and logs[0]["node"] == n2
+    mask = tr.to_sequence(n3).loss_mask.numpy().tolist()
+    assert mask[len(P) : len(P) + 2] == [1, 1] and sum(mask) == 3  # turn 1 and the new reply; not turn 2
 
 
 def test_state_and_reset() -> None:
@@ -212,3 +281,21 @@ def test_random_conversations_keep_every_sampled_token_aligned(turns, mode) -> N
     assert seq.spans == runs(seq.loss_mask.numpy())
     assert tr.stats.divergences == 0 and tr.get(node_id).turns == len(turns)
     validate_sequence(seq, "seq", Limits())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(tokens, tokens, st.booleans()), min_size=1, max_size=5))
+def test_random_closed_replies_always_extend_in_tree_mode(turns) -> None:  # type: ignore[no-untyped-def]
+    """With stop ids given, a conversation whose template closes every reply with a stop id (2) is one branch."""
+    tr = Tracker("tree")
+    context: list[int] = []
+    node_id = -1
+    for k, (user, sampled, stopped) in enumerate(turns):
+        closing = [] if not context or context[-1] == 2 else [2]
+        prompt = [*context, *closing, *user] if k else [1, *user]
+        reply = [*sampled, 2] if stopped else sampled
+        c = Completion(reply, [-0.5] * len(reply), "stop" if stopped else "length")
+        [node_id] = tr.record(prompt, [c], stop_token_ids=[2])
+        context = [*prompt, *reply]
+    assert [n.id for n in tr.leaves()] == [node_id] and tr.stats.divergences == 0
+    assert tr.get(node_id).turns == len(turns) and tr.get(node_id).tokens == tuple(context)

@@ -1,12 +1,17 @@
 """``distillq serve SERVER``: HTTP servers in front of the pipeline's streams.
 
     distillq serve atropos [--host 127.0.0.1] [--port 8000] [--redis-url URL] [--namespace NS] [--lease-s 600]
+    distillq serve student --backend hf --model DIR [--port 8100] [--group-size N]
 
 ``atropos``: the Atropos API (``pipeline.serve.atropos_app``): environments POST scored groups, which go
 onto ``rollouts`` for the teacher workers; trainers GET ``/batch`` and receive the scored groups with
 ``distill_token_ids``/``distill_logprobs`` filled. Every server is one ``add_<server>`` function below,
 listed in ``SERVERS``. ``python -m pipeline.ops.cli.serve SERVER ...`` runs one without the ``distillq``
 entry point.
+
+``student``: the verifiers-compatible student endpoint (``pipeline.serve.student_app``): verifiers' train
+client generates through it, one tracker per ``X-Session-ID`` records each rollout, and finished rollouts
+of a task are pushed onto ``rollouts`` as a group.
 """
 
 from __future__ import annotations
@@ -56,8 +61,19 @@ def run_atropos(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_student(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from pipeline.serve.student_cli import add_student_arguments, run_student
+
+    p = add_command(servers, "student", "a verifiers-compatible student endpoint that records each rollout",
+                    "Serves /inference/v1/generate, /v1/chat/completions and /v1/models as verifiers 0.4 calls them; "
+                    "finished rollouts (POST /sessions/{id}/finish) go onto rollouts as groups "
+                    "(docs/integrations.md).")
+    add_student_arguments(p)
+    p.set_defaults(func=run_student)
+
+
 #: One function per server, each adding its subcommand (``distillq serve NAME``).
-SERVERS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (add_atropos,)
+SERVERS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (add_atropos, add_student)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,159 @@
+"""The student server's HTTP routes (FastAPI), in the shapes verifiers 0.4 uses.
+
+=========================================  ===================================================================
+``GET /v1/models``                         served model names with ``max_model_len`` (the train client's
+                                           prompt-length check reads it)
+``POST /inference/v1/generate``            token ids in, ``choices[0].token_ids`` and
+                                           ``choices[0].logprobs.content[i] = {"token": "token_id:<id>",
+                                           "logprob": x}`` out (verifiers' train client mode)
+``POST /v1/chat/completions``              OpenAI chat completions, ``stream`` and
+                                           ``stream_options.include_usage`` honoured (eval client mode)
+``POST /sessions/{id}/finish``             close a rollout: ``{"task", "reward", "trainable", "group_size"?,
+                                           "env_id"?, "policy_version"?, "group_overrides"?}``; full groups
+                                           are pushed onto ``rollouts``
+``DELETE /sessions/{id}``                  drop a rollout without training on it
+``GET /sessions/{id}``                     what is tracked for a rollout (debugging)
+``GET /health``                            sessions, open groups, groups waiting to be pushed
+=========================================  ===================================================================
+
+Every inference request carrying ``X-Session-ID`` is recorded in that session's tree-mode tracker.
+Errors use the OpenAI shape ``{"error": {"message", "type", "code"}}`` (422 for a malformed body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pipeline.rollout.openai_types import Stream
+from pipeline.serve.student_service import (
+    FinishRequest,
+    GenerateRequest,
+    ServeError,
+    StudentService,
+    sse_events,
+)
+
+log = structlog.get_logger(__name__)
+SESSION_HEADER = "X-Session-ID"
+
+
+def create_app(service: StudentService, *, maintain_every_s: float = 10.0, api_key: str | None = None) -> FastAPI:
+    """The app; a background task runs ``service.maintain`` every ``maintain_every_s`` seconds. With
+    ``api_key``, every route but ``/health`` wants ``Authorization: Bearer <api_key>`` (else 401)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(maintain_every_s)
+                try:
+                    await service.maintain()
+                except Exception:  # keep bounding sessions whatever one pass hit
+                    log.exception("student.maintain_failed")
+
+        task = asyncio.create_task(loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await service.close()
+
+    app = FastAPI(title="distillq student", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ServeError)
+    async def serve_error(request: Request, exc: ServeError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    if api_key:
+        expected = f"Bearer {api_key}"
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next: Any) -> Response:
+            if request.url.path != "/health" and request.headers.get("authorization") != expected:
+                return JSONResponse(ServeError(401, "invalid or missing API key", "AuthenticationError").body(), 401)
+            response: Response = await call_next(request)
+            return response
+
+    _inference_routes(app, service)
+    _session_routes(app, service)
+    return app
+
+
+def _inference_routes(app: FastAPI, service: StudentService) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return service.models()
+
+    @app.post("/inference/v1/generate")
+    async def generate(
+        req: GenerateRequest, x_session_id: str | None = Header(None, alias=SESSION_HEADER)
+    ) -> dict[str, Any]:
+        return await service.generate(req, x_session_id)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request, x_session_id: str | None = Header(None, alias=SESSION_HEADER)) -> Response:
+        body = await _json_object(request)
+        out = await service.chat(body, x_session_id)
+        if isinstance(out, Stream):
+            events = sse_events(out.chunks)
+
+            async def send() -> AsyncIterator[bytes]:
+                for e in events:
+                    yield e
+
+            return StreamingResponse(send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(out.model_dump())
+
+
+def _session_routes(app: FastAPI, service: StudentService) -> None:
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, req: FinishRequest) -> dict[str, Any]:
+        return await service.finish(session_id, req)
+
+    @app.delete("/sessions/{session_id}", status_code=204)
+    async def discard(session_id: str) -> Response:
+        if not service.discard(session_id):
+            raise ServeError(404, f"no session {session_id!r}", "NotFoundError")
+        return Response(status_code=204)
+
+    @app.get("/sessions/{session_id}")
+    async def session(session_id: str) -> dict[str, Any]:
+        s = service.sessions.get(session_id)
+        if s is None:
+            raise ServeError(404, f"no session {session_id!r}", "NotFoundError")
+        return {
+            "id": s.id,
+            "requests": s.requests,
+            "branches": [{"tokens": n.length, "sampled": sum(n.mask), "turns": n.turns} for n in s.tracker.leaves()],
+            "divergences": s.tracker.stats.divergences,
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "sessions": len(service.sessions),
+            "open_groups": len(service.groups),
+            "unsent_groups": len(service.unsent),
+            "untracked_requests": service.untracked,
+        }
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ServeError(400, f"request body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ServeError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body

@@ -1,0 +1,212 @@
+"""``distillq serve student``: argparse glue for the verifiers-compatible student endpoint.
+
+    distillq serve student --backend hf --model DIR [--port 8100] [--group-size 8]
+    distillq serve student --backend vllm --url http://127.0.0.1:8000 --tokenizer DIR
+
+Hook it into a ``serve`` subcommand parser with::
+
+    p = serve_sub.add_parser("student", help="verifiers-compatible student endpoint")
+    add_student_arguments(p)
+    p.set_defaults(func=run_student)
+
+``python -m pipeline.serve.student_cli ARGS`` runs it without the ``distillq`` entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from pipeline.config import add_redis_args, redis_settings_from_args
+from pipeline.logs import configure_logging
+
+if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
+    from pipeline.rollout.student_base import StudentBackend
+    from pipeline.serve.student_service import ServeConfig
+
+log = structlog.get_logger(__name__)
+
+
+def add_student_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``serve student``."""
+    p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="student backend")
+    p.add_argument("--model", help="hf: model directory, weights and tokenizer (default: none; required for hf)")
+    p.add_argument("--url", help="vllm: the vLLM server, http://host:port with or without /v1 "
+                                 "(default: none; required for vllm)")
+    p.add_argument("--vllm-model", help="vllm: the model name on that server (default: the first it serves)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model; required with --backend vllm)")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="name clients use for the model, repeatable (default: --model, or the vLLM model name)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length reported by /v1/models and enforced (default: the model's)",
+    )
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8100, help="port (0: any free port, see --port-file)")
+    p.add_argument("--port-file", type=Path, default=None,
+                   help="write the bound port here once listening (default: none)")
+    p.add_argument("--group-size", type=int, default=1, help="rollouts per group unless a finish says otherwise")
+    p.add_argument("--env-id", type=int, default=0, help="env_id of the groups pushed")
+    p.add_argument("--policy-version", type=int, default=0, help="policy_version of the groups pushed")
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=1800.0,
+        help="seconds before an idle unfinished rollout (or an incomplete group) is dropped (flushed)",
+    )
+    p.add_argument("--max-sessions", type=int, default=4096, help="rollouts tracked at once (LRU eviction)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument(
+        "--api-key-var",
+        default=None,
+        metavar="VAR",
+        help="name of an environment variable holding a key clients must send as a bearer token (default: none, "
+             "no key)",
+    )
+    add_redis_args(p)  # fmt: skip
+
+
+def _hf_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
+    from pipeline.rollout.student_hf import HFStudent
+
+    if not args.model:
+        raise ValueError("--backend hf needs --model DIR")
+    student = HFStudent.from_pretrained(args.model)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        student = HFStudent(student.model, AutoTokenizer.from_pretrained(args.tokenizer))
+    cfg = student.model.config
+    max_len = args.max_model_len or int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+    names = tuple(args.served_model_name or [args.model])
+    return student, _config(args, names, max_len, int(cfg.vocab_size))
+
+
+def _vllm_models(root: str) -> list[dict[str, Any]]:
+    import httpx
+
+    try:
+        resp = httpx.get(f"{root}/v1/models", timeout=30.0)
+        resp.raise_for_status()
+        data: list[dict[str, Any]] = resp.json().get("data", [])
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise ValueError(f"cannot list the models of {root}: {type(e).__name__}: {e}") from e
+    return data
+
+
+def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
+    from transformers import AutoTokenizer
+
+    from pipeline.rollout.student_vllm import VLLMStudent
+    from pipeline.urls import server_root
+
+    if not args.url or not args.tokenizer:
+        raise ValueError("--backend vllm needs --url and --tokenizer")
+    root = server_root(args.url)
+    models = _vllm_models(root)
+    name = args.vllm_model or (models[0]["id"] if models else None)
+    if not name:
+        raise ValueError(f"{root}/v1/models lists no model; pass --vllm-model")
+    info = next((m for m in models if m.get("id") == name), {})
+    max_len = args.max_model_len or int(info.get("max_model_len") or 0)
+    if not max_len:
+        raise ValueError("the vLLM server reports no max_model_len; pass --max-model-len")
+    backend = VLLMStudent(root, name, AutoTokenizer.from_pretrained(args.tokenizer))
+    return backend, _config(args, tuple(args.served_model_name or [name]), max_len, None)
+
+
+def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, vocab: int | None) -> ServeConfig:
+    from pipeline.serve.student_service import ServeConfig
+
+    return ServeConfig(
+        served_names=names,
+        max_model_len=max_len,
+        vocab_size=vocab,
+        default_max_tokens=args.default_max_tokens,
+        group_size=args.group_size,
+        env_id=args.env_id,
+        policy_version=args.policy_version,
+    )
+
+
+async def _serve(args: argparse.Namespace, backend: StudentBackend, config: ServeConfig) -> int:
+    import uvicorn
+
+    from pipeline.serve.student_app import create_app
+    from pipeline.serve.student_service import StudentService
+    from pipeline.serve.student_sessions import SessionStore
+    from pipeline.transport.sdk import AsyncGroupProducer
+
+    rs = redis_settings_from_args(args)
+    async with AsyncGroupProducer(rs.redis_url, namespace=rs.namespace) as producer:
+        sessions = SessionStore(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
+        service = StudentService(backend, config, producer.push, sessions=sessions)
+        api_key = os.environ.get(args.api_key_var) if args.api_key_var else None
+        app = create_app(service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)), api_key=api_key)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        stopped: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal after its graceful shutdown
+            signal.signal(sig, lambda s, _frame: stopped.append(s))
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if not server.started:
+            await task
+            return 1
+        port = server.servers[0].sockets[0].getsockname()[1]
+        if args.port_file:
+            args.port_file.write_text(f"{port}\n")
+        log.info("student.serving", url=f"http://{args.host}:{port}/v1", models=list(config.served_names),
+                 max_model_len=config.max_model_len, namespace=rs.namespace)  # fmt: skip
+        await task
+    log.info("student.stopped", signal=signal.Signals(stopped[0]).name if stopped else None)
+    return 0
+
+
+def run_student(args: argparse.Namespace) -> int:
+    """Load the backend and serve until interrupted; 2 on a configuration error, 1 if it cannot listen."""
+    for flag, value in (("--group-size", args.group_size), ("--max-sessions", args.max_sessions)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1", file=sys.stderr)
+            return 2
+    if args.api_key_var and not os.environ.get(args.api_key_var):
+        print(f"error: --api-key-var {args.api_key_var}: the variable is not set", file=sys.stderr)
+        return 2
+    try:
+        backend, config = _hf_backend(args) if args.backend == "hf" else _vllm_backend(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from pipeline.metrics import serve_metrics
+
+    serve_metrics(args.metrics_port)
+    return asyncio.run(_serve(args, backend, config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distillq serve student", description=__doc__.split("\n")[0])
+    add_student_arguments(parser)
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    return run_student(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
