@@ -29,8 +29,8 @@ from typing import Any
 import structlog
 import torch
 
+from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
-from pipeline.learner.losses import importance_sampled_pg_loss, token_logprobs, topk_forward_kl
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.tinymodels import arithmetic_problem, load_causal_lm
 from pipeline.models.weights import load_weights, save_weights
@@ -128,12 +128,18 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
 def optimiser_step(
     student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: LearnerConfig
 ) -> tuple[float, float, float]:
-    """One step on ``batch``: IS policy gradient on the reverse-KL advantages plus top-k forward KL."""
+    """One step on ``batch``: IS policy gradient on the reverse-KL advantages plus top-k forward KL.
+
+    The chunked losses (``pipeline.learner.chunked``): from the base model's hidden states and the lm_head,
+    so no ``[B, N, V]`` logits exist at any vocabulary size.
+    """
     tb = to_torch(batch)
-    logits = student(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long()).logits[:, :-1]
-    new_lp = token_logprobs(logits, tb.labels)
-    pg = importance_sampled_pg_loss(new_lp, tb.student_logprobs, tb.advantages, tb.loss_mask, clip=cfg.clip)
-    kd = topk_forward_kl(logits, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask, mode="tail")
+    hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
+    h, head = hidden.last_hidden_state[:, :-1], student.get_output_embeddings()
+    pg = importance_sampled_pg_loss(h, head.weight, tb.labels, tb.student_logprobs, tb.advantages, tb.loss_mask,
+                                    clip=cfg.clip, bias=head.bias)
+    kd = topk_forward_kl(h, head.weight, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask,
+                         mode="tail", bias=head.bias)
     loss = cfg.pg_weight * pg + cfg.kd_weight * kd
     opt.zero_grad()
     loss.backward()  # type: ignore[no-untyped-call]

@@ -26,6 +26,7 @@ from pipeline.teacher.base import ScoreRequest, ScoreResult
 from pipeline.teacher.synthetic import SyntheticTeacher
 from pipeline.transport.connection import TRANSIENT, connect
 from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup
+from schemas.build import trained_rows
 
 #: Settings every worker process of these tests gets: fast reclaim, short blocks, JSON logs.
 FAST_ENV: dict[str, str] = {
@@ -235,9 +236,10 @@ class RecordingLearner:
 
 
 async def synthetic_reference(group: RolloutGroup, k: int) -> list[ScoreResult]:
-    """The same arrays computed by ``SyntheticTeacher.score`` itself (a clean run of the backend)."""
+    """The same arrays computed by ``SyntheticTeacher.score`` itself (a clean run of the backend), at the
+    trained rows the teacher workers ask for."""
     teacher = SyntheticTeacher()
-    reqs = [ScoreRequest(s.tokens.numpy().astype(np.int32), k) for s in group.sequences]
+    reqs = [ScoreRequest(s.tokens.numpy().astype(np.int32), k, trained_rows(s)) for s in group.sequences]
     outs = await teacher.score(reqs)
     assert all(isinstance(o, ScoreResult) for o in outs)
     return [o for o in outs if isinstance(o, ScoreResult)]
@@ -250,6 +252,8 @@ def teacher_matches(got: ScoredGroup, want: RolloutGroup, ref: list[ScoreResult]
     for i, (seq, t, r, orig) in enumerate(zip(got.group.sequences, got.teacher, ref, want.sequences, strict=True)):
         if not np.array_equal(seq.tokens.numpy(), orig.tokens.numpy()):
             return f"sequence {i}: tokens differ"
+        if not np.array_equal(t.row_index(seq.length), trained_rows(orig)):
+            return f"sequence {i}: teacher rows differ"
         for name, a, b in (("topk_ids", t.topk_ids.numpy(), r.topk_ids),
                            ("topk_logprobs", t.topk_logprobs.numpy(), r.topk_logprobs),
                            ("sampled_logprobs", t.sampled_logprobs.numpy(), r.sampled_logprobs)):
