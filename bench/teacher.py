@@ -27,7 +27,8 @@ import torch
 from bench.codec import cpu_model
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.stages.scoring import Scorer, ScoringConfig
-from pipeline.teacher.hf import HFTeacher, plan_chunks
+from pipeline.teacher.base import plan_chunks
+from pipeline.teacher.hf import HFTeacher
 from schemas.build import make_sequence
 from schemas.messages import RolloutGroup
 

@@ -83,6 +83,35 @@ def _os_reason(exc: BaseException) -> str | None:
     return None
 
 
+def one_of(*options: str) -> Callable[[str], str]:
+    """An argparse ``type`` accepting ``options`` only. Unlike ``choices=``, argparse also applies it to a
+    string default, so a bad value from the environment (``DISTILLQ_TEACHER_ROWS=bogus``) is a usage error."""
+
+    def parse(value: str) -> str:
+        if value not in options:
+            raise argparse.ArgumentTypeError(f"invalid choice {value!r} (choose from {', '.join(options)})")
+        return value
+
+    parse.__name__ = "choice"
+    return parse
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer ``>= low`` (applied to environment defaults too)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {value!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n} is below {low}")
+        return n
+
+    parse.__name__ = "integer"
+    return parse
+
+
 def redis_error_line(exc: BaseException, url: str | None) -> str:
     """One line for a Redis failure, any password in ``url`` masked: ``cannot reach Redis at URL: Connection
     refused``, ``Redis at URL refused the credentials: ...``, ``Redis at URL replied with an error: ...``."""

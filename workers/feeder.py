@@ -12,7 +12,7 @@ from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL
 from pipeline.transport.keys import Keys
-from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
+from workers.common import add_common_args, env, one_of, run_stage, shard_plan, standalone, stream_settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how a batch's tokens count: sum of lengths, or padded (sequences x longest)")
     p.add_argument("--max-staleness", type=int, default=env("MAX_STALENESS") or "4", metavar="N",
                    help="drop groups more than this many policy versions old, -1: never (env DISTILLQ_MAX_STALENESS)")
-    p.add_argument("--missing-distill", choices=["keep", "drop"], default=env("MISSING_DISTILL", "keep"),
+    p.add_argument("--missing-distill", choices=["keep", "drop"], type=one_of("keep", "drop"),
+                   default=env("MISSING_DISTILL", "keep"),
                    help="groups without teacher payload: keep (task reward only) or drop "
                         "(env DISTILLQ_MISSING_DISTILL)")
     p.add_argument("--reward-weight", type=float, default=0.0, metavar="W",

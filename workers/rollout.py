@@ -20,13 +20,14 @@ from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name
 from pipeline.transport.jobs import JobStats, PromptJob, build_worker, run_worker_until
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
-from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
+from workers.common import add_common_args, env, one_of, run_stage, shard_plan, standalone, stream_settings
 
 log = structlog.get_logger("distillq.rollout")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["vllm", "hf"], default=env("STUDENT_BACKEND", "vllm"),
+    p.add_argument("--backend", choices=["vllm", "hf"], type=one_of("vllm", "hf"),
+                   default=env("STUDENT_BACKEND", "vllm"),
                    help="vllm (a student server) or hf (a local transformers model) (env DISTILLQ_STUDENT_BACKEND)")
     p.add_argument("--model", default=env("STUDENT_MODEL"), metavar="NAME_OR_PATH",
                    help="required: served model name (vllm) or local path (hf) (env DISTILLQ_STUDENT_MODEL; "

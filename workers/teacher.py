@@ -15,13 +15,24 @@ from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.base import TeacherBackend, TeacherConfigError
 from pipeline.transport.keys import Keys
 from schemas import RolloutGroup
-from workers.common import add_common_args, env, run_stage, shard_plan, standalone, stream_settings
+from workers.common import (
+    add_common_args,
+    env,
+    int_at_least,
+    one_of,
+    run_stage,
+    shard_plan,
+    standalone,
+    stream_settings,
+)
 
 log = structlog.get_logger("distillq.teacher")
 
+BACKENDS = ("vllm", "sglang", "hf", "synthetic")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["vllm", "sglang", "hf", "synthetic"], default=env("TEACHER_BACKEND", "vllm"),
+    p.add_argument("--backend", choices=BACKENDS, type=one_of(*BACKENDS), default=env("TEACHER_BACKEND", "vllm"),
                    help="vllm, sglang (HTTP servers), hf (local transformers model), synthetic (deterministic fake "
                         "payloads, for tests and benchmarks) (env DISTILLQ_TEACHER_BACKEND)")
     p.add_argument("--model", default=env("TEACHER_MODEL"), metavar="NAME_OR_PATH",
@@ -36,31 +47,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student-tokenizer", default=env("STUDENT_TOKENIZER"), metavar="PATH",
                    help="compare vocabularies with this tokenizer at startup; refuse to start if they differ "
                         "(env DISTILLQ_STUDENT_TOKENIZER; default: no check)")
-    p.add_argument("--top-k", type=int, default=env("TOP_K") or "20", metavar="K",
+    p.add_argument("--top-k", type=int_at_least(1), default=env("TOP_K") or "20", metavar="K",
                    help="default k; a group's group_overrides.teacher_top_k replaces it (env DISTILLQ_TOP_K)")
-    p.add_argument("--max-batch-tokens", type=int, default=env("TEACHER_MAX_BATCH_TOKENS") or "16384",
+    p.add_argument("--max-batch-tokens", type=int_at_least(1), default=env("TEACHER_MAX_BATCH_TOKENS") or "16384",
                    metavar="N", help="padded tokens per teacher call (env DISTILLQ_TEACHER_MAX_BATCH_TOKENS)")
-    p.add_argument("--concurrency", type=int, default=env("TEACHER_CONCURRENCY") or "8", metavar="N",
+    p.add_argument("--concurrency", type=int_at_least(1), default=env("TEACHER_CONCURRENCY") or "8", metavar="N",
                    help="teacher calls in flight per worker; the hf backend makes one at a time "
                         "(env DISTILLQ_TEACHER_CONCURRENCY)")
     p.add_argument("--timeout", type=float, default=env("TEACHER_TIMEOUT_S") or "120", metavar="SECONDS",
                    help="seconds per request, HTTP backends (env DISTILLQ_TEACHER_TIMEOUT_S)")
-    p.add_argument("--retries", type=int, default=3, metavar="N",
+    p.add_argument("--retries", type=int_at_least(0), default=3, metavar="N",
                    help="extra attempts for a retryable teacher failure; then the group's payload is dropped")
-    p.add_argument("--k-over-cap", choices=["clamp", "drop"], default=env("K_OVER_CAP", "clamp"),
+    p.add_argument("--k-over-cap", choices=["clamp", "drop"], type=one_of("clamp", "drop"),
+                   default=env("K_OVER_CAP", "clamp"),
                    help="a group asking for more than the server's logprob cap: clamp to the cap, or drop its "
                         "payload (env DISTILLQ_K_OVER_CAP)")
     p.add_argument("--fp16-topk", action="store_true", help="carry top-k logprobs as float16")
-    p.add_argument("--rows", choices=["trained", "all"], default=env("TEACHER_ROWS") or "trained",
+    p.add_argument("--rows", choices=["trained", "all"], type=one_of("trained", "all"),
+                   default=env("TEACHER_ROWS") or "trained",
                    help="teacher rows scored and shipped per sequence: the rows the learner trains on "
                         "(loss_mask[r+1] == 1), or every row (env DISTILLQ_TEACHER_ROWS)")
-    p.add_argument("--hf-chunk-positions", type=int, default=env("TEACHER_HF_CHUNK_POSITIONS") or "256", metavar="N",
+    p.add_argument("--hf-chunk-positions", type=int_at_least(1), default=env("TEACHER_HF_CHUNK_POSITIONS") or "256",
+                   metavar="N",
                    help="hf backend: rows per lm_head/log-softmax chunk; memory about 2 x N x vocabulary x 4 bytes "
                         "(env DISTILLQ_TEACHER_HF_CHUNK_POSITIONS)")
-    p.add_argument("--hf-min-shared-prefix", type=int, default=env("TEACHER_HF_MIN_SHARED_PREFIX") or "32",
+    p.add_argument("--hf-min-shared-prefix", type=int_at_least(0), default=env("TEACHER_HF_MIN_SHARED_PREFIX") or "32",
                    metavar="N", help="hf backend: shortest common prefix of a call's sequences computed once; 0 turns "
                                      "sharing off (env DISTILLQ_TEACHER_HF_MIN_SHARED_PREFIX)")
-    p.add_argument("--on-drop", choices=["pass", "dlq"], default=env("ON_DROP", "pass"),
+    p.add_argument("--on-drop", choices=["pass", "dlq"], type=one_of("pass", "dlq"), default=env("ON_DROP", "pass"),
                    help="groups whose payload was dropped: pass them on without payload, or dead-letter them "
                         "(env DISTILLQ_ON_DROP)")
     p.add_argument("--synthetic-latency", type=float, default=0.0, metavar="SECONDS",
@@ -98,12 +112,20 @@ def make_backend(args: argparse.Namespace) -> TeacherBackend:
 
 async def prepare(args: argparse.Namespace) -> tuple[TeacherBackend, Scorer]:
     """Start the backend and run the startup checks (cap, vocabulary, self-test)."""
+    backend = make_backend(args)
+    try:
+        return backend, await _checked(backend, args)
+    except BaseException:
+        await backend.close()  # a failed start-up check leaves no thread or HTTP client behind
+        raise
+
+
+async def _checked(backend: TeacherBackend, args: argparse.Namespace) -> Scorer:
+    """Start ``backend``, run the start-up checks, and build the scorer."""
     from pipeline.teacher.vocab import check_same_vocab, self_test_checksum
 
-    backend = make_backend(args)
     await backend.start()
     if args.top_k > backend.max_k:
-        await backend.close()
         raise TeacherConfigError(
             f"--top-k {args.top_k} exceeds the teacher's logprob cap of {backend.max_k} "
             "(raise the server's --max-logprobs or lower --top-k)"
@@ -118,7 +140,7 @@ async def prepare(args: argparse.Namespace) -> tuple[TeacherBackend, Scorer]:
     cfg = ScoringConfig(default_k=args.top_k, max_batch_tokens=args.max_batch_tokens, retries=args.retries,
                         k_over_cap=args.k_over_cap, fp16_topk=args.fp16_topk, rows=args.rows,
                         concurrent_calls=1 if args.backend == "hf" else args.concurrency)
-    return backend, Scorer(backend, cfg, limits=stream_settings(args).limits())
+    return Scorer(backend, cfg, limits=stream_settings(args).limits())
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:

@@ -164,20 +164,12 @@ def _put_teacher(
 ) -> None:
     """Sequence ``i``'s payload (``m = L - 1`` rows) into row ``i`` of the padded teacher buffers."""
     ids = p.topk_ids.numpy()
-    r = m if p.rows is None else int(p.rows.shape[0])
-    if ids.shape != (r, p.k):
-        raise ValueError(f"teacher payload {i} has shape {ids.shape}, expected {(r, p.k)}")
-    lps = torch.tensor(p.topk_logprobs.numpy())  # a copy: the wire arrays are read-only views
-    if p.rows is None:
-        at: slice | torch.Tensor = slice(0, m)
-        sampled[i, :m] = p.sampled_logprobs.numpy()
-        distill[i, :m] = mask[i, :m]
-    else:
-        idx = p.rows.numpy()
-        if r and (int(idx[0]) < 0 or int(idx[-1]) >= m):
-            raise ValueError(f"teacher payload {i} has rows outside [0, {m})")
-        at = torch.tensor(idx, dtype=torch.int64)
-        sampled[i, idx] = p.sampled_logprobs.numpy()
-        distill[i, idx] = mask[i, idx]
-    top_ids[i, at, : p.k] = torch.tensor(ids).to(top_ids.dtype)
-    top_lps[i, at, : p.k] = lps.to(top_lps.dtype)
+    rows = p.row_index(m + 1)  # validated on decode: increasing, in range, every trained row held
+    if ids.shape != (rows.shape[0], p.k):
+        raise ValueError(f"teacher payload {i} has shape {ids.shape}, expected {(rows.shape[0], p.k)}")
+    held: slice | npt.NDArray[np.int32] = slice(0, m) if p.rows is None else rows
+    at: slice | torch.Tensor = held if isinstance(held, slice) else torch.tensor(held, dtype=torch.int64)
+    sampled[i, :m] = p.dense_sampled(m + 1)
+    distill[i, held] = mask[i, held]  # where the position trains and the payload holds its row
+    top_ids[i, at, : p.k] = torch.tensor(ids).to(top_ids.dtype)  # copies: the wire arrays are read-only views
+    top_lps[i, at, : p.k] = torch.tensor(p.topk_logprobs.numpy()).to(top_lps.dtype)

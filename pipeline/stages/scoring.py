@@ -47,6 +47,7 @@ from pipeline.teacher.base import (
     ScoreResult,
     TeacherBackend,
     empty_result,
+    plan_chunks,
     result_problem,
 )
 from schemas.build import make_teacher, trained_rows
@@ -127,16 +128,7 @@ class _Item:
 
 def _cut(items: list[_Item], max_batch_tokens: int) -> list[list[_Item]]:
     """Items sorted longest first, cut into calls of at most ``max_batch_tokens`` padded tokens."""
-    calls: list[list[_Item]] = []
-    cur: list[_Item] = []
-    for it in sorted(items, key=lambda i: -_length(i)):
-        if cur and (len(cur) + 1) * _length(cur[0]) > max_batch_tokens:
-            calls.append(cur)
-            cur = []
-        cur.append(it)
-    if cur:
-        calls.append(cur)
-    return calls
+    return [[items[i] for i in chunk] for chunk in plan_chunks([_length(it) for it in items], max_batch_tokens)]
 
 
 def _length(it: _Item) -> int:

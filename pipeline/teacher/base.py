@@ -95,6 +95,23 @@ class TeacherBackend(Protocol):
     async def score(self, reqs: list[ScoreRequest]) -> list[ScoreOutcome]: ...
 
 
+def plan_chunks(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into chunks, longest first, each with ``len(chunk) * longest <= budget``
+    (a single sequence above the budget forms its own chunk)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and (len(cur) + 1) * longest > max_batch_tokens:
+            chunks.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
 def rows_problem(req: ScoreRequest) -> str | None:
     """Why ``req.rows`` is unusable (not 1-D integers, strictly increasing, in ``[0, L - 1)``), or None."""
     rows = req.rows

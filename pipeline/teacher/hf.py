@@ -32,6 +32,7 @@ from pipeline.teacher.base import (
     ScoreRequest,
     ScoreResult,
     empty_result,
+    plan_chunks,
     rows_problem,
 )
 from pipeline.teacher.hf_prefix import plan_prefix_groups
@@ -40,23 +41,6 @@ if TYPE_CHECKING:  # torch is imported when the teacher starts, not when this mo
     from pipeline.teacher.hf_forward import Forward, Job
 
 log = structlog.get_logger(__name__)
-
-
-def plan_chunks(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
-    """Indices grouped into chunks, longest first, each with ``len(chunk) * longest <= budget``
-    (a single sequence above the budget forms its own chunk)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    chunks: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and (len(cur) + 1) * longest > max_batch_tokens:
-            chunks.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        chunks.append(cur)
-    return chunks
 
 
 def load_model(path: str, dtype: str = "float32") -> Any:
@@ -218,6 +202,9 @@ class HFTeacher:
         with torch.inference_mode():
             for idx, res in self._run(jobs):
                 out[todo[idx]] = res
+        missing = [i for i, o in enumerate(out) if o is None]
+        if missing:  # never shift later results onto the wrong requests
+            raise RuntimeError(f"HF teacher produced no result for requests {missing[:8]}")
         return [o for o in out if o is not None]
 
     def _run(self, jobs: list[Job]) -> list[tuple[int, ScoreResult]]:

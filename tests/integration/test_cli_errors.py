@@ -290,3 +290,18 @@ def test_python_m_workers_standalone_help() -> None:
     assert p.returncode == 0 and p.stdout.startswith("usage: python -m workers.feeder")
     assert "Trainer feeder: reads scored groups" in p.stdout
     assert "token budget per batch (env DISTILLQ_MAX_BATCH_TOKENS) (default: 65536)" in p.stdout
+
+
+@pytest.mark.parametrize(("env", "argv", "said"), [
+    ({"DISTILLQ_TEACHER_ROWS": "bogus"}, ["worker", "teacher", "--backend", "synthetic"],
+     "argument --rows: invalid choice"),
+    ({"DISTILLQ_TEACHER_BACKEND": "x"}, ["worker", "teacher"], "argument --backend: invalid choice"),
+    ({}, ["worker", "teacher", "--top-k", "0"], "argument --top-k: 0 is below 1"),
+    ({"DISTILLQ_MISSING_DISTILL": "maybe"}, ["worker", "feeder"], "argument --missing-distill: invalid choice"),
+])
+def test_bad_worker_settings_from_flags_or_the_environment_are_usage_errors(
+    env: dict[str, str], argv: list[str], said: str
+) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", *argv], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **env}, check=False)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -16,8 +16,8 @@ from transformers import LlamaForCausalLM
 
 from pipeline.models.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models, load_causal_lm
 from pipeline.stages.scoring import Scorer, ScoringConfig
-from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult
-from pipeline.teacher.hf import HFTeacher, plan_chunks
+from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, plan_chunks
+from pipeline.teacher.hf import HFTeacher
 from pipeline.teacher.hf_prefix import plan_prefix_groups, planned_tokens
 from pipeline.teacher.vocab import VocabMismatchError, check_same_vocab, self_test_checksum
 from schemas import DistillStatus, Limits, ScoredGroup, decode, encode
