@@ -15,7 +15,7 @@ from schemas.validate import Limits, validate
 
 # --- fast structural path for decoded messages -------------------------------------------------------
 #
-# ``validate`` walks every array through helpers that can name the failing field; for a 5.7 MB group
+# ``validate`` walks every array through functions that can name the failing field; for a 5.7 MB group
 # (48 arrays) that is ~19 us of Python, a sixth of a memory copy of the message on a machine with a big
 # cache. The functions below give only a verdict, with one flat loop per message and a handful of
 # attribute reads and comparisons per array: every expected shape is a tuple built once per sequence,

@@ -18,7 +18,7 @@ position) are saved for backward, which recomputes each chunk's logits, forms
 ``weight`` (in float32) and ``bias``. Memory is therefore ``O(chunk_size x V)`` in forward and backward,
 plus ``O(V x H)`` for the weight's gradient; compute is one extra lm_head matmul (the recomputation).
 Everything after the gather (top-k pairing, tail bucket, JSD, reductions) runs on ``[M, K]`` tensors with
-the helpers of ``pipeline.learner.losses``. Double backward is not supported.
+the building blocks of ``pipeline.learner.losses``. Double backward is not supported.
 
 Hidden states from a transformers model. For ``LlamaForCausalLM`` (and most decoder-only models) the hidden
 states that the lm_head reads are ``model.model(input_ids, attention_mask=...).last_hidden_state``

@@ -1,4 +1,4 @@
-"""Options and helpers shared by CLI commands."""
+"""Options and functions shared by CLI commands."""
 
 from __future__ import annotations
 
