@@ -42,6 +42,8 @@ from pipeline.teacher.base import (
 from pipeline.teacher.vllm_parse import parse_completion
 from pipeline.urls import server_root
 
+#: Responses smaller than this are parsed on the event loop (a thread hop costs more than the parse).
+PARSE_INLINE_BELOW: Final = 256 * 1024
 _CAP_RE: Final = re.compile(r"greater than max allowed:?\s*(\d+)?", re.IGNORECASE)
 #: ``prompt_logprobs`` sent by the cap probe; accepted means "no effective cap" up to this value.
 PROBE_K: Final = 1 << 20
@@ -220,7 +222,11 @@ class HTTPTeacher:
                 return classify_status(resp.status_code, resp.text)
             content = resp.content
         try:
-            return self.parse(content, req)
+            if len(content) < PARSE_INLINE_BELOW:
+                return self.parse(content, req)
+            # A multi-MB answer (k = 256 over thousands of tokens parses in tenths of a second) is parsed in a
+            # thread, so the worker's loop keeps its heartbeat, leases and other calls going meanwhile.
+            return await asyncio.to_thread(self.parse, content, req)
         except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
             return ScoreFailure(f"{MISALIGNED}: unparseable response ({type(e).__name__}: {e})", retryable=False)
 
