@@ -19,7 +19,8 @@ decodes on its own.
 
 from __future__ import annotations
 
-import uuid
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -49,11 +50,23 @@ from schemas.atropos_values import (
     _per_token,
     _rename,
 )
-from schemas.build import make_sequence, make_teacher
+from schemas.build import make_sequence, make_teacher, no_teacher_reason
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
 from schemas.validate import DecodeError, Limits, validate
 
-__all__ = ["ATROPOS_KEYS", "MASKED", "MASKED_LOGPROB", "STASH", "rollout_from_atropos", "to_atropos"]
+__all__ = ["ATROPOS_KEYS", "DERIVED_PREFIX", "MASKED", "MASKED_LOGPROB", "STASH", "content_group_id",
+           "rollout_from_atropos", "to_atropos"]
+
+#: The prefix of a group id derived from the group's content (``content_group_id``).
+DERIVED_PREFIX = "sha256-"
+
+
+def content_group_id(obj: dict[str, Any]) -> str:
+    """A stable group id for a ScoredDataGroup without one: the SHA-256 of its canonical JSON (keys sorted, no
+    spaces), so the same group sent again (a retried post, a file pushed twice) gets the same id and is
+    deduplicated."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return DERIVED_PREFIX + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _rollout(obj: dict[str, Any], gid: str, version: int) -> RolloutGroup:
@@ -176,12 +189,12 @@ def _group_k(obj: dict[str, Any], group: RolloutGroup, rows: list[_Rows], limits
     by ``group_overrides.teacher_top_k``."""
     key, k = "distill_top_k", obj.get("distill_top_k")
     override = group.overrides.get("teacher_top_k")
+    if override is not None and (not isinstance(override, int) or isinstance(override, bool)):
+        raise DecodeError("group_overrides.teacher_top_k", f"must be an integer, got {override!r}")
     if k is None:
         k = _inferred_k(rows, ambiguous_below=override is None)
         key = "distill_token_ids"
         if override is not None:
-            if not isinstance(override, int) or isinstance(override, bool):
-                raise DecodeError("group_overrides.teacher_top_k", f"must be an integer, got {override!r}")
             key, k = "group_overrides.teacher_top_k", max(override, 1) if k is None else min(max(override, 1), k)
         elif k is None:
             raise DecodeError("distill_token_ids", "no teacher entries and no group_overrides.teacher_top_k")
@@ -208,13 +221,9 @@ def _inferred_k(rows: list[_Rows], *, ambiguous_below: bool) -> int | None:
 
 def _no_teacher(group: RolloutGroup) -> str | None:
     """Why the reference would carry no distill arrays for ``group`` (skip flag, or a k of -1 or below)."""
-    ov = group.overrides
-    k = ov.get("teacher_top_k")
-    if ov.get("skip_teacher_top_k"):
+    if group.overrides.get("skip_teacher_top_k"):
         return "skip_teacher_top_k"
-    if isinstance(k, int) and not isinstance(k, bool) and k <= -1:
-        return f"teacher_top_k={k}: no teacher"
-    return None
+    return no_teacher_reason(group.group_overrides)
 
 
 def _top_k(obj: dict[str, Any], group: RolloutGroup, limits: Limits) -> ScoredGroup:
@@ -270,7 +279,7 @@ def _convert(
     for key, v in (("env_id", 0 if env_id is None else env_id), ("policy_version", version)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise DecodeError(key, f"must be an integer, got {v!r}")
-    gid = obj.get("group_id") or group_id or uuid.uuid4().hex
+    gid = obj.get("group_id") or group_id or content_group_id(obj)
     if not isinstance(gid, str):
         raise DecodeError("group_id", f"must be a string, got {gid!r}")
     group = _rollout(obj, gid, version)
@@ -289,9 +298,10 @@ def rollout_from_atropos(
     """Convert one ScoredDataGroup; a ``ScoredGroup`` when it carries distill arrays (status OK, or SKIPPED
     when ``group_overrides`` says no teacher: ``skip_teacher_top_k``, or ``teacher_top_k <= -1``).
 
-    ``group_id`` and ``policy_version`` in ``obj`` win over the arguments. Raises ``DecodeError`` naming
-    the input field (``tokens[2]``, ``distill_logprobs[0][5]``) for any bad input; the result is
-    validated with ``limits`` (default ``Limits()``).
+    ``group_id`` and ``policy_version`` in ``obj`` win over the arguments; without either group id, the id
+    is derived from the content (``content_group_id``), so a group sent twice is one group. Raises
+    ``DecodeError`` naming the input field (``tokens[2]``, ``distill_logprobs[0][5]``) for any bad input;
+    the result is validated with ``limits`` (default ``Limits()``).
     """
     lim = limits or _DEFAULT_LIMITS
     try:

@@ -14,6 +14,15 @@ from schemas.arrays import FLOAT16, FLOAT32, INT32, UINT8, Array
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
 
 
+def no_teacher_reason(group_overrides: dict[str, Any] | None) -> str | None:
+    """Why a group gets no teacher at all (``group_overrides.teacher_top_k`` of -1 or below), e.g.
+    ``"teacher_top_k=-3: no teacher"``; None when it gets one."""
+    k = (group_overrides or {}).get("teacher_top_k")
+    if isinstance(k, int) and not isinstance(k, bool) and k <= -1:
+        return f"teacher_top_k={k}: no teacher"
+    return None
+
+
 def make_sequence(
     tokens: npt.ArrayLike,
     loss_mask: npt.ArrayLike,

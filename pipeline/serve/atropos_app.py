@@ -2,7 +2,8 @@
 
 The routes (``atropos_routes``) answer as atroposlib 0.4.0's server does, path for path and shape for
 shape; the state lives in Redis (``atropos_state``, ``atropos_queue``), so a restart loses nothing. One
-process per namespace (its writers are serialized by one lock). gzip as the reference: request bodies
+process per namespace (its writers are serialized by one lock). A request body above ``max_body_bytes``
+(as sent or inflated) gets 413. gzip as the reference: request bodies
 with ``Content-Encoding: gzip`` are inflated (400 ``Invalid gzip payload`` if they do not inflate),
 responses of 1,000 bytes or more are compressed when the client accepts gzip (level 1 by default rather
 than the reference's 9: several times faster on multi-megabyte batches, about 10% larger).
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import zlib
 from collections.abc import AsyncIterator
+from typing import Final
 
 import structlog
 from fastapi import FastAPI
@@ -31,60 +33,92 @@ log = structlog.get_logger("distillq.serve.atropos")
 
 
 class GzipRequest:
-    """Inflate ``Content-Encoding: gzip`` request bodies (the reference's middleware), with a size cap."""
+    """Every request body read with a size cap, and ``Content-Encoding: gzip`` bodies inflated (the
+    reference's middleware). A body above ``max_bytes`` (as sent, and once inflated) gets 413: the raw bytes
+    are counted as they arrive (past the cap they are read and dropped, so the client gets the answer), and
+    gzip is inflated in a worker thread, member by member, never past the cap."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or "gzip" not in MutableHeaders(scope=scope).get("content-encoding", "").lower():
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        try:
-            inflated = _inflate(body, self.max_bytes) if body else b""
-        except (OSError, EOFError, zlib.error):
-            await PlainTextResponse("Invalid gzip payload", status_code=400)(scope, receive, send)
+        gzipped = "gzip" in MutableHeaders(scope=scope).get("content-encoding", "").lower()
+        body = await _read_capped(receive, self.max_bytes)
+        if body is _GONE:  # the client left mid-body: nobody to answer
             return
-        except OverflowError:
-            text = f"request body inflates to more than {self.max_bytes} bytes"
-            await PlainTextResponse(text, status_code=413)(scope, receive, send)
+        if body is None:
+            await _too_large(self.max_bytes, "is", scope, receive, send)
             return
-        headers = MutableHeaders(scope=scope)
-        headers["content-length"] = str(len(inflated))
-        del headers["content-encoding"]
+        if gzipped:
+            try:
+                body = await asyncio.to_thread(_inflate, body, self.max_bytes) if body else b""
+            except (OSError, EOFError, zlib.error):
+                await PlainTextResponse("Invalid gzip payload", status_code=400)(scope, receive, send)
+                return
+            except OverflowError:
+                await _too_large(self.max_bytes, "inflates to", scope, receive, send)
+                return
+            headers = MutableHeaders(scope=scope)
+            headers["content-length"] = str(len(body))
+            del headers["content-encoding"]
         sent = False
 
         async def replay() -> Message:
             nonlocal sent
             if sent:
-                return {"type": "http.request", "body": b"", "more_body": False}
+                return await receive()  # the client's disconnect, for whoever waits for it
             sent = True
-            return {"type": "http.request", "body": inflated, "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
 
 
+#: What ``_read_capped`` returns when the client disconnects before the body ends.
+_GONE: Final = b"<disconnected>"
+
+
+async def _read_capped(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when it is longer than ``limit`` bytes (the rest is read and dropped),
+    or ``_GONE``."""
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return _GONE
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif chunks:
+            chunks.clear()
+        more = message.get("more_body", False)
+    return None if size > limit else b"".join(chunks)
+
+
+async def _too_large(limit: int, what: str, scope: Scope, receive: Receive, send: Send) -> None:
+    await PlainTextResponse(f"request body {what} more than {limit} bytes", status_code=413)(scope, receive, send)
+
+
 def _inflate(body: bytes, limit: int) -> bytes:
-    """gunzip ``body`` (every member, as ``gzip.decompress``), refusing output above ``limit`` bytes."""
-    d = zlib.decompressobj(wbits=31)
-    out = [d.decompress(body, limit + 1)]
-    size = len(out[0])
-    while d.eof and d.unused_data:  # concatenated members
-        rest = d.unused_data
+    """gunzip ``body`` (every member, as ``gzip.decompress``), refusing output above ``limit`` bytes: no
+    member is inflated past it (each gets what is left of the limit, plus one byte to see it overflow)."""
+    out: list[bytes] = []
+    size, data = 0, body
+    while True:
         d = zlib.decompressobj(wbits=31)
-        out.append(d.decompress(rest, limit + 1 - size))
+        out.append(d.decompress(data, limit + 1 - size))  # size <= limit here: the bound is at least 1
         size += len(out[-1])
-    if size > limit or d.unconsumed_tail:
-        raise OverflowError
-    if not d.eof:
-        raise EOFError("truncated gzip body")
-    return b"".join(out)
+        if size > limit or d.unconsumed_tail:
+            raise OverflowError
+        if not d.eof:
+            raise EOFError("truncated gzip body")
+        data = d.unused_data
+        if not data:  # else: concatenated members
+            return b"".join(out)
 
 
 def create_app(cfg: ServeConfig | None = None) -> FastAPI:

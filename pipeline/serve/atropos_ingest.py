@@ -9,8 +9,9 @@ env's buffer cannot fill its group size, and put on the ``rollouts`` stream for 
   reference; those then go on, each as its own group.
 * A group with more sequences than the registered batch size can never be batched: it goes to the DLQ
   (stage ``atropos``, replayable onto ``rollouts``) instead of being scored and then blocking the queue.
-* Writes go through ``StreamProducer``: idempotent by group id (a client may send ``group_id`` to make
-  retries safe), waiting while the stream is full (``BackpressureTimeout``: the app answers 503).
+* Writes go through ``StreamProducer``: idempotent by group id (a client's ``group_id``, else one derived
+  from the group's content, so a retried post is one group), waiting while the stream is full
+  (``BackpressureTimeout``: the app answers 503).
 """
 
 from __future__ import annotations
@@ -99,16 +100,18 @@ class Ingest:
         return {"status": "received"}
 
     async def _buffer(self, env_id: int, size: int, group: RolloutGroup, posted: bytes, t: Trainer) -> dict[str, Any]:
+        encoded = await asyncio.to_thread(lambda: bytes(encode(group)))
         async with self._buffers:
-            await self.state.buffer(env_id, BufferedGroup(group.group_id, len(group.sequences), posted,
-                                                          bytes(encode(group))))
+            await self.state.buffer(env_id, BufferedGroup(group.group_id, len(group.sequences), posted, encoded))
             waiting = await self.state.buffered(env_id)
             idx = pick_exact([b.sequences for b in waiting], size) or []
             for i in idx:  # sent before the buffer is rewritten: a crash in between re-sends, deduped by id
                 b = waiting[i]
-                await self.send(decode(b.group, self.limits, expect=RolloutGroup), b.posted, env_id, t)
+                released = await asyncio.to_thread(decode, b.group, self.limits, expect=RolloutGroup)
+                await self.send(released, b.posted, env_id, t)
             if idx:
-                waiting = [b for i, b in enumerate(waiting) if i not in set(idx)]
+                taken = set(idx)
+                waiting = [b for i, b in enumerate(waiting) if i not in taken]
                 await self.state.set_buffer(env_id, waiting)
         return {"status": "buffered", "buffer_size": sum(b.sequences for b in waiting)}
 

@@ -11,7 +11,11 @@ between the two steps (the entry comes back to this consumer name on restart) qu
 and commits it in one script: the queue entries are deleted (all of them, or none if one is gone), the
 step advances, and with a lease the batch is recorded with a deadline. Without a lease the payloads are
 deleted next (at most once, as the reference); with one they stay until ``ack``, and a batch whose lease
-runs out is handed out again (same batch id) before any new batch, up to ``max_deliveries`` times.
+runs out is handed out again (same batch id) before any new batch, up to ``max_deliveries`` times. If one
+of its groups is gone or invalid by then, the batch is not handed out short: that group is dead-lettered,
+the lease dropped, and the rest go back in front of the queue (``front``) to be batched again. A running
+count of queued groups per ``env|sequences`` (``counts``, kept by the same scripts) answers ``/status``
+without reading the queue.
 
 **Dead letters** (stage ``atropos``, on the DLQ with the payload, replayable onto ``scored``): a group
 with more sequences than the batch size, one whose payload is gone or invalid, and the groups of a batch
@@ -35,8 +39,9 @@ import structlog
 from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.serve.atropos_packing import Queued, minimum_sequences, pick_batch
+from pipeline.serve.atropos_scripts import COMMIT, ENQUEUE, RECOUNT, REMOVE
 from pipeline.serve.atropos_state import AtroposState, Trainer, env_field, env_of
-from pipeline.transport.claimcheck import decode_header, header_of
+from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.connection import TRANSIENT, Backoff, is_cluster_client
 from pipeline.transport.consumer import Delivery, dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
@@ -50,40 +55,6 @@ STAGE: Final = "atropos"
 #: Queue entries looked at per batch (the oldest); a batch is formed from these.
 SCAN: Final = 10_000
 RECONCILE_S: Final = 10.0
-
-# KEYS: seen marker, discard set, inflight hash, inflight_at zset, queue; ARGV: group id, ttl ms, payload key,
-# queue entry fields... -> 1 queued, 2 discarded (posted before a reset), or the marker's payload key (seen).
-_ENQUEUE: Final = """
-if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
-  redis.call('SREM', KEYS[2], ARGV[1])
-  return 2
-end
-local prev = redis.call('GET', KEYS[1])
-if prev then return prev end
-redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
-local env = redis.call('HGET', KEYS[3], ARGV[1]) or ''
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('XADD', KEYS[5], '*', 'env', string.match(env, '^([^|]*)'), unpack(ARGV, 4))
-return 1
-"""
-
-# KEYS: queue, trainer, leases, lease deadlines; ARGV: n, entry ids..., lease record or '', deadline ms, batch id.
-# Deletes the entries and advances the step, or returns -1 (changing nothing) if any entry is gone.
-_COMMIT: Final = """
-local n = tonumber(ARGV[1])
-for i = 2, n + 1 do
-  if #redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i]) == 0 then return -1 end
-end
-redis.call('XDEL', KEYS[1], unpack(ARGV, 2, n + 1))
-local step = redis.call('HINCRBY', KEYS[2], 'step', 1)
-if ARGV[n + 2] ~= '' then
-  redis.call('HSET', KEYS[3], ARGV[n + 4], ARGV[n + 2])
-  redis.call('ZADD', KEYS[4], ARGV[n + 3], ARGV[n + 4])
-end
-return step
-"""
-
 
 @dataclass(frozen=True, slots=True)
 class Handout:
@@ -102,6 +73,11 @@ def _queued(entry_id: bytes | str, f: dict[bytes, bytes]) -> Queued:
                   f.get(b"src", b"").decode())
 
 
+def _front_order(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.decode().partition("-")
+    return int(ms), int(seq or 0)
+
+
 class AtroposQueue:
     def __init__(self, redis: aioredis.Redis, keys: Keys, state: AtroposState, settings: StreamSettings, *,
                  consumer_name: str = "atropos-server", shards: int = 1, limits: Limits | None = None) -> None:
@@ -112,8 +88,11 @@ class AtroposQueue:
                                       resolve_payloads=False)
         self.k_queue, self.k_leases = keys.atropos("queue"), keys.atropos("leases")
         self.k_deadlines = keys.atropos("lease_deadlines")
-        self._enqueue = redis.register_script(_ENQUEUE)
-        self._commit = redis.register_script(_COMMIT)
+        self.k_front, self.k_counts = keys.atropos("front"), keys.atropos("counts")
+        self._enqueue = redis.register_script(ENQUEUE)
+        self._commit = redis.register_script(COMMIT)
+        self._remove = redis.register_script(REMOVE)
+        self._recount = redis.register_script(RECOUNT)
         self._cluster = is_cluster_client(redis)
 
     # ---- scored -> queue ----------------------------------------------------------------------------------
@@ -125,12 +104,13 @@ class AtroposQueue:
             try:
                 if not ready:
                     await self.consumer.ensure_group()
+                    await self._recount(keys=[self.k_counts, self.k_queue, self.k_front])
                     ready = True
                 for d in await self.consumer.read(self.settings.read_count, block_ms=min(self.settings.block_ms, 500)):
                     await self.move(d)
                 if time.monotonic() - reconciled > RECONCILE_S:
                     reconciled = time.monotonic()
-                    await self.state.reconcile_inflight(await self.in_streams())
+                    await self.state.reconcile_inflight()
                 backoff.reset()
                 continue
             except TRANSIENT as e:
@@ -152,8 +132,9 @@ class AtroposQueue:
             return "dead_letter"
         fields: list[str | int] = ["gid", d.group_id, "key", key, "n", sequences, "src", d.entry_id]
         keys = [self.keys.atropos_seen(d.group_id), self.state.k_discard, self.state.k_inflight,
-                self.state.k_inflight_at, self.k_queue]
-        res = await self._enqueue(keys=keys, args=[d.group_id, self.settings.dedupe_ttl_s * 1000, key, *fields])
+                self.state.k_inflight_at, self.k_queue, self.keys.atropos_env(d.group_id), self.k_counts]
+        res = await self._enqueue(keys=keys, args=[d.group_id, self.settings.dedupe_ttl_s * 1000, key, sequences,
+                                                   *fields])
         if res == 1:
             await self.consumer.ack([d], keep_payloads=True)
             return "queued"
@@ -168,28 +149,34 @@ class AtroposQueue:
             if d.payload_key is None or h.group_id != d.group_id:
                 raise DecodeError("h", "claim-checked entry without a payload key, or of another group")
             return h.sequences, d.payload_key
-        g = decode(d.payload, self.limits, expect=ScoredGroup)
+        g = await asyncio.to_thread(decode, d.payload, self.limits, expect=ScoredGroup)
         c = self.consumer
         stream_key = c.parts[d.shard].key if isinstance(c, ShardedConsumer) else c.key
         key = self.keys.payload(stream_key, g.group_id, f"e{d.entry_id}")
         await self.redis.set(key, d.payload)
         d.fields[F_REF] = key.encode()
-        return header_of(g).sequences, key
-
-    async def in_streams(self) -> int:
-        """Groups the rollouts and scored streams hold (every shard)."""
-        keys = [*self.keys.streams("rollouts", self.shards), *self.keys.streams("scored", self.shards)]
-        return sum([int(await self.redis.xlen(k)) for k in keys])
+        return len(g.group.sequences), key
 
     # ---- the queue ----------------------------------------------------------------------------------------
 
     async def queued(self, count: int | None = SCAN) -> list[Queued]:
+        """The queued groups in order: those put back in front (``f:`` ids), then the queue's entries."""
+        front: dict[bytes, bytes] = await self.redis.hgetall(self.k_front)  # type: ignore[misc]
+        out = []
+        for eid in sorted(front, key=_front_order):
+            gid, key, n, env, src = json.loads(front[eid])
+            out.append(Queued(f"f:{eid.decode()}", gid, key, int(n), env_of(env), src))
         rows: list[Any] = await self.redis.xrange(self.k_queue, count=count)
-        return [_queued(eid, f) for eid, f in rows]
+        return out + [_queued(eid, f) for eid, f in rows]
 
     async def items(self) -> list[tuple[int | None, int]]:
-        """(env id, sequences) of every queued group."""
-        return [(q.env_id, q.sequences) for q in await self.queued(None)]
+        """(env id, sequences) of every queued group, from the running counts (no scan of the queue)."""
+        counts: dict[bytes, bytes] = await self.redis.hgetall(self.k_counts)  # type: ignore[misc]
+        out: list[tuple[int | None, int]] = []
+        for field, c in counts.items():
+            env, _, n = field.decode().rpartition("|")
+            out += [(env_of(env), int(n))] * max(int(c), 0)
+        return out
 
     async def _mget(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
@@ -199,10 +186,15 @@ class AtroposQueue:
         return got
 
     async def _load(self, picked: Sequence[Queued]) -> tuple[list[ScoredGroup], list[tuple[Queued, bytes | None, str]]]:
-        """Decode and validate the payloads of ``picked``: the groups, and (group, bytes, reason) of the bad."""
+        """Decode and validate the payloads of ``picked`` (in a worker thread): the groups, and (group, bytes,
+        reason) of the bad."""
+        return await asyncio.to_thread(self._check, picked, await self._mget([q.key for q in picked]))
+
+    def _check(self, picked: Sequence[Queued], payloads: list[bytes | None]
+               ) -> tuple[list[ScoredGroup], list[tuple[Queued, bytes | None, str]]]:
         good: list[ScoredGroup] = []
         bad: list[tuple[Queued, bytes | None, str]] = []
-        for q, data in zip(picked, await self._mget([q.key for q in picked]), strict=True):
+        for q, data in zip(picked, payloads, strict=True):
             if data is None:
                 metrics.PAYLOAD_MISSING.labels(STAGE).inc()
                 bad.append((q, None, f"payload_missing: key {q.key} is gone"))
@@ -228,7 +220,7 @@ class AtroposQueue:
         fields = dead_letter_fields(STAGE, reason, "scored", q.source_id, self.consumer.name, original,
                                     env_id=env_field(q.env_id), sequences=q.sequences)
         await self.redis.xadd(self.keys.dlq, fields)  # type: ignore[arg-type]
-        await self.redis.xdel(self.k_queue, q.entry_id)
+        await self._remove(keys=[self.k_queue, self.k_front, self.k_counts], args=[q.entry_id])
         await self.redis.delete(q.key)
         metrics.DEAD_LETTERED.labels(STAGE, dead_letter_category(reason)).inc()
         log.warning("group_dead_lettered", group_id=q.group_id, reason=reason)
@@ -261,8 +253,8 @@ class AtroposQueue:
             record = json.dumps(self._record(picked, 1, lease_s)) if lease_s else ""
             deadline = int((time.time() + (lease_s or 0)) * 1000)
             args: list[str | int] = [len(picked), *[q.entry_id for q in picked], record, deadline, batch_id or ""]
-            step = await self._commit(keys=[self.k_queue, self.state.k_trainer, self.k_leases, self.k_deadlines],
-                                      args=args)
+            keys = [self.k_queue, self.state.k_trainer, self.k_leases, self.k_deadlines, self.k_front, self.k_counts]
+            step = await self._commit(keys=keys, args=args)
             if int(step) < 0:
                 continue
             if batch_id is None:
@@ -277,7 +269,9 @@ class AtroposQueue:
 
     async def _redeliver(self, lease_s: float | None) -> Handout | None:
         """The oldest batch whose lease ran out, handed out again (its groups dead-lettered instead once it
-        has been handed out ``max_deliveries`` times)."""
+        has been handed out ``max_deliveries`` times). A batch of which a group is gone or invalid is not
+        handed out short: that group is dead-lettered and the rest go back in front of the queue, to be
+        batched again (``take``), as the oldest groups."""
         while True:
             due: list[bytes] = await self.redis.zrangebyscore(self.k_deadlines, "-inf", int(time.time() * 1000),
                                                               start=0, num=1)
@@ -298,22 +292,35 @@ class AtroposQueue:
                 await self._drop_lease(batch_id)
                 continue
             groups, bad = await self._load(picked)
-            for q, data, reason in bad:
-                await self.dead_letter(q, reason, data)
-            kept = [q for q in picked if q not in {b[0] for b in bad}]
-            if not kept:
-                await self._drop_lease(batch_id)
+            if bad:
+                for q, data, reason in bad:
+                    await self.dead_letter(q, reason, data)
+                dropped = {b[0] for b in bad}
+                await self._put_back(batch_id, [q for q in picked if q not in dropped])
                 continue
             log.warning("lease_expired_redelivered", batch_id=batch_id, deliveries=deliveries)
             if lease_s:
                 async with self.redis.pipeline(transaction=True) as p:
-                    p.hset(self.k_leases, batch_id, json.dumps(self._record(kept, deliveries, lease_s)))
+                    p.hset(self.k_leases, batch_id, json.dumps(self._record(picked, deliveries, lease_s)))
                     p.zadd(self.k_deadlines, {batch_id: int((time.time() + lease_s) * 1000)})
                     await p.execute()
                 return Handout(groups, batch_id, deliveries, lease_s)
             await self._drop_lease(batch_id)
-            await self.redis.delete(*[q.key for q in kept])
+            await self.redis.delete(*[q.key for q in picked])
             return Handout(groups, None, deliveries)
+
+    async def _put_back(self, batch_id: str, kept: Sequence[Queued]) -> None:
+        """Drop a lease and put its ``kept`` groups in front of the queue (in one transaction)."""
+        async with self.redis.pipeline(transaction=True) as p:
+            p.hdel(self.k_leases, batch_id)
+            p.zrem(self.k_deadlines, batch_id)
+            for q in kept:
+                env, n = env_field(q.env_id), str(q.sequences)
+                p.hset(self.k_front, q.entry_id.removeprefix("f:"), json.dumps([q.group_id, q.key, n, env,
+                                                                              q.source_id]))
+                p.hincrby(self.k_counts, f"{env}|{n}", 1)
+            await p.execute()
+        log.warning("lease_expired_put_back", batch_id=batch_id, groups=len(kept))
 
     async def _drop_lease(self, batch_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as p:
@@ -340,5 +347,5 @@ class AtroposQueue:
         payloads = [q.key for q in queued] + [g[2] for raw in leased.values() for g in json.loads(raw)["groups"]]
         for i in range(0, len(payloads), 500):
             await self.redis.delete(*payloads[i : i + 500])
-        await self.redis.delete(self.k_queue, self.k_leases, self.k_deadlines)
+        await self.redis.delete(self.k_queue, self.k_leases, self.k_deadlines, self.k_front, self.k_counts)
         return len(payloads)

@@ -140,9 +140,10 @@ async def latest_example(request: Request) -> Response | dict[str, Any]:
 @router.post("/scored_data")
 async def scored_data(data: ScoredData, request: Request) -> dict[str, Any]:
     srv = _server(request)
-    t = await srv.state.trainer()
-    prepared = await asyncio.to_thread(srv.ingest.prepare, data, t)
-    out = await srv.ingest.submit(prepared, t, await srv.state.envs())
+    async with srv.gate.post():
+        t = await srv.state.trainer()
+        prepared = await asyncio.to_thread(srv.ingest.prepare, data, t)
+        out = await srv.ingest.submit(prepared, t, await srv.state.envs())
     srv.items_cache = (0.0, [])
     return out
 
@@ -151,21 +152,22 @@ async def scored_data(data: ScoredData, request: Request) -> dict[str, Any]:
 async def scored_data_list(items: list[ScoredData], request: Request) -> dict[str, Any]:
     """Every group is converted before any is written: one bad group refuses the whole list (422)."""
     srv = _server(request)
-    t = await srv.state.trainer()
-    prepared: list[Prepared] = []
-    for i, data in enumerate(items):
-        try:
-            prepared.append(await asyncio.to_thread(srv.ingest.prepare, data, t))
-        except DecodeError as e:
-            raise DecodeError(f"{i}.{e.field}", e.reason) from None
-    envs = await srv.state.envs()
     out: dict[str, Any] = {"status": "received", "groups_processed": len(items)}
     buffered, dead, last = 0, 0, None
-    for p in prepared:
-        res = await srv.ingest.submit(p, t, envs)
-        if res["status"] == "buffered":
-            buffered, last = buffered + 1, res["buffer_size"]
-        dead += res["status"] == "dead_lettered"
+    async with srv.gate.post():
+        t = await srv.state.trainer()
+        prepared: list[Prepared] = []
+        for i, data in enumerate(items):
+            try:
+                prepared.append(await asyncio.to_thread(srv.ingest.prepare, data, t))
+            except DecodeError as e:
+                raise DecodeError(f"{i}.{e.field}", e.reason) from None
+        envs = await srv.state.envs()
+        for p in prepared:
+            res = await srv.ingest.submit(p, t, envs)
+            if res["status"] == "buffered":
+                buffered, last = buffered + 1, res["buffer_size"]
+            dead += res["status"] == "dead_lettered"
     srv.items_cache = (0.0, [])
     if buffered:
         out.update(buffered=buffered, last_buffer_size=last)
@@ -201,7 +203,7 @@ async def status_env_route(env: EnvIdentifier, request: Request) -> dict[str, An
 @router.get("/reset_data")
 async def reset_data(request: Request) -> PlainTextResponse:
     srv = _server(request)
-    async with srv.lock:
+    async with srv.gate.reset(), srv.lock:  # no post half before and half after it
         await srv.state.reset()
         await srv.queue.clear()
         srv.items_cache = (0.0, [])

@@ -4,6 +4,8 @@ its startup: Redis connected, the shard count read, the mover (scored -> queue) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,41 @@ class ServeConfig:
     lease_s: float = 600.0  # lease of ``GET /batch?lease=1`` unless the request names one (``lease_s``)
     consumer_name: str = "atropos-server"  # stable: a restarted server gets back what it had read
     gzip_level: int = 1
-    max_body_bytes: int = 1 << 30  # a request body (inflated) above this is refused with 413
+    max_body_bytes: int = 1 << 30  # a request body above this (as sent, or inflated) is refused with 413
+
+
+class PostGate:
+    """Posts (``/scored_data*``) run side by side; ``/reset_data`` waits for those under way and holds new ones
+    back until it is done, so no post writes half before and half after a reset."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._posts, self._resetting = 0, False
+
+    @contextlib.asynccontextmanager
+    async def post(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._resetting)
+            self._posts += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._posts -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def reset(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._resetting)
+            self._resetting = True
+            await self._cond.wait_for(lambda: self._posts == 0)
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._resetting = False
+                self._cond.notify_all()
 
 
 @dataclass
@@ -43,11 +79,12 @@ class Server:
     queue: AtroposQueue
     ingest: Ingest
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    gate: PostGate = field(default_factory=PostGate)
     items_cache: tuple[float, list[tuple[int | None, int]]] = (0.0, [])
 
     async def pending(self) -> list[tuple[int | None, int]]:
         """(env id, sequences) of every group posted and not yet handed out, at most 0.2 s old (envs poll
-        ``/status-env`` every 0.1 s each)."""
+        ``/status-env`` every 0.1 s each): the in-flight records and the queue's running counts."""
         loop = asyncio.get_running_loop()
         at, items = self.items_cache
         if loop.time() - at > 0.2:
@@ -61,7 +98,7 @@ async def open_server(cfg: ServeConfig, stop: asyncio.Event) -> tuple[Server, li
     redis = connect(cfg.redis)
     keys = Keys(cfg.redis.namespace)
     shards = await retry_transient(lambda: get_shards(redis, keys), deadline_s=60)
-    state = AtroposState(redis, keys)
+    state = AtroposState(redis, keys, ttl_s=cfg.streams.dedupe_ttl_s)
     queue = AtroposQueue(redis, keys, state, cfg.streams, consumer_name=cfg.consumer_name, shards=shards)
     ingest = Ingest(redis, keys, state, cfg.streams, shards=shards, name=cfg.consumer_name)
     server = Server(cfg, redis, keys, state, queue, ingest)

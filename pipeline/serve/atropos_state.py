@@ -2,6 +2,11 @@
 per-env buffers, the groups in flight (posted, not yet scored) and the last group posted. Every key is a
 ``Keys.atropos*`` key, so a restarted server carries on where the last one stopped.
 
+A posted group's env id travels in its own marker (``Keys.atropos_env``, with the dedupe TTL), which the
+queue's enqueue script reads and deletes; the in-flight hash only counts groups for ``/status``. A record
+leaves it when its group is queued, when a dead letter names the group (``reconcile_inflight`` reads the
+DLQ by group id), or once it is older than the dedupe TTL.
+
 What ``/reset_data`` keeps follows the reference: ``max_token_len``, ``checkpoint_dir``, the checkpoint
 interval and the last group posted survive it; everything else is cleared (see ``AtroposState.reset``).
 """
@@ -23,9 +28,8 @@ from pipeline.transport.keys import Keys
 _REG_INT: Final = ("batch_size", "max_token_len", "save_checkpoint_interval", "num_steps")
 #: Kept by ``/reset_data``, as the reference keeps them.
 _KEPT_ON_RESET: Final = ("max_token_len", "checkpoint_dir", "save_checkpoint_interval")
-#: An in-flight record older than this may be dropped when the streams hold fewer groups than are recorded
-#: (the group was dead-lettered on its way: see ``reconcile_inflight``).
-INFLIGHT_GRACE_S: Final = 60.0
+#: Dead letters read per call while reconciling the in-flight records.
+DLQ_READ: Final = 50
 _BUF: Final = msgspec.msgpack.Decoder(tuple[str, int, bytes, bytes])
 _ENC: Final = msgspec.msgpack.Encoder()
 
@@ -78,11 +82,12 @@ class BufferedGroup(msgspec.Struct, frozen=True):
 class AtroposState:
     """Reads and writes the server's keys. Callers serialize writers (one server process per namespace)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
-        self.redis, self.keys = redis, keys
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int = 24 * 3600) -> None:
+        self.redis, self.keys, self.ttl_s = redis, keys, ttl_s
         self.k_trainer, self.k_envs = keys.atropos("trainer"), keys.atropos("envs")
         self.k_inflight, self.k_inflight_at = keys.atropos("inflight"), keys.atropos("inflight_at")
         self.k_discard, self.k_latest = keys.atropos("discard"), keys.atropos("latest")
+        self.k_dlq_cursor = keys.atropos("dlq_cursor")
 
     # ---- the trainer ----------------------------------------------------------------------------------
 
@@ -124,7 +129,8 @@ class AtroposState:
         kept = {k: getattr(t, k) for k in _KEPT_ON_RESET if k in present}
         async with self.redis.pipeline(transaction=True) as p:
             p.delete(self.k_trainer, self.k_envs, self.k_inflight, self.k_inflight_at,
-                     *[self.keys.atropos_buffer(i) for i in range(envs)])
+                     *[self.keys.atropos_buffer(i) for i in range(envs)],
+                     *[self.keys.atropos_env(g.decode()) for g in inflight])
             p.hset(self.k_trainer, mapping={"registered": 0, "started": 0, "step": 0, "batch_size": -1,
                                             "num_steps": -1, **kept})
             if inflight:
@@ -166,17 +172,21 @@ class AtroposState:
     # ---- groups posted ----------------------------------------------------------------------------------
 
     async def track(self, group_id: str, env_id: int | None, sequences: int) -> bool:
-        """Record a group as in flight; False if it already is (the same group id posted again)."""
+        """Record a group as in flight, and its env id; False if it already is (the same group id posted again)."""
         async with self.redis.pipeline(transaction=True) as p:
             p.hsetnx(self.k_inflight, group_id, f"{env_field(env_id)}|{sequences}")
             p.zadd(self.k_inflight_at, {group_id: time.time()}, nx=True)
-            created, _ = await p.execute()
+            p.set(self.keys.atropos_env(group_id), env_field(env_id), px=self.ttl_s * 1000, nx=True)
+            created, _, _ = await p.execute()
         return bool(created)
 
-    async def untrack(self, group_id: str) -> None:
+    async def untrack(self, *group_ids: str) -> None:
+        if not group_ids:
+            return
         async with self.redis.pipeline(transaction=True) as p:
-            p.hdel(self.k_inflight, group_id)
-            p.zrem(self.k_inflight_at, group_id)
+            p.hdel(self.k_inflight, *group_ids)
+            p.zrem(self.k_inflight_at, *group_ids)
+            p.delete(*[self.keys.atropos_env(g) for g in group_ids])
             await p.execute()
 
     async def inflight(self) -> list[tuple[int | None, int]]:
@@ -188,22 +198,43 @@ class AtroposState:
             out.append((env_of(env), int(n)))
         return out
 
-    async def reconcile_inflight(self, in_streams: int) -> int:
-        """Drop the oldest in-flight records (older than ``INFLIGHT_GRACE_S``) beyond ``in_streams``, the
-        groups the rollouts and scored streams hold: the rest were dead-lettered on their way and would
-        otherwise count in ``/status`` forever. Returns how many were dropped."""
-        excess = int(await self.redis.zcard(self.k_inflight_at)) - in_streams
-        if excess <= 0:
+    async def reconcile_inflight(self) -> int:
+        """Drop the in-flight records of groups that will never reach the queue: those a dead letter names
+        (read from the DLQ since the last call, by group id) and those older than the dedupe TTL (their
+        markers are gone). Returns how many were dropped."""
+        if not await self.redis.zcard(self.k_inflight_at):  # nothing in flight: only later dead letters matter
+            secs, micros = await self.redis.time()  # Redis' clock, which stamps the DLQ's entry ids
+            await self.redis.set(self.k_dlq_cursor, f"{secs * 1000 + micros // 1000 - 1}-0")
             return 0
-        old: list[str] = await self.redis.zrangebyscore(self.k_inflight_at, "-inf", time.time() - INFLIGHT_GRACE_S,
-                                                          start=0, num=excess)
-        old = [o.decode() if isinstance(o, bytes) else o for o in old]
-        if old:
-            async with self.redis.pipeline(transaction=True) as p:
-                p.hdel(self.k_inflight, *old)
-                p.zrem(self.k_inflight_at, *old)
-                await p.execute()
-        return len(old)
+        stale: list[bytes] = await self.redis.zrangebyscore(self.k_inflight_at, "-inf", time.time() - self.ttl_s)
+        lost = {g.decode() for g in stale}
+        raw: bytes | None = await self.redis.get(self.k_dlq_cursor)
+        if raw is not None:
+            cursor = raw.decode()
+        else:  # first run: from the oldest post on (stream ids are Redis' clock: an hour's margin for skew)
+            oldest: list[tuple[bytes, float]] = await self.redis.zrange(self.k_inflight_at, 0, 0, withscores=True)
+            cursor = f"{max(int((oldest[0][1] - 3600) * 1000), 0)}-0"
+        while True:
+            rows: list[Any] = await self.redis.xrange(self.keys.dlq, f"({cursor}", "+", count=DLQ_READ)
+            for entry_id, fields in rows:
+                gid = fields.get(b"orig_gid")
+                if gid:
+                    lost.add(gid.decode())
+                cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            if len(rows) < DLQ_READ:
+                break
+        await self.redis.set(self.k_dlq_cursor, cursor)
+        present = [g for g, there in zip(lost, await self._inflight_has(list(lost)), strict=True) if there]
+        await self.untrack(*present)
+        return len(present)
+
+    async def _inflight_has(self, group_ids: list[str]) -> list[bool]:
+        if not group_ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as p:
+            for g in group_ids:
+                p.hexists(self.k_inflight, g)
+            return [bool(x) for x in await p.execute()]
 
     async def set_latest(self, posted: bytes) -> None:
         await self.redis.set(self.k_latest, posted)

@@ -37,6 +37,14 @@ key                                                type          written by / me
 ``{ns:atropos}:leases``                            hash          ``serve atropos``: leased batch id -> its groups
 ``{ns:atropos}:lease_deadlines``                   zset          ``serve atropos``: leased batch id -> deadline (ms)
 ``{ns:atropos}:latest``                            string        ``serve atropos``: the last group posted (JSON)
+``{ns:atropos}:front``                             hash          ``serve atropos``: groups put back ahead of the
+                                                                 queue (queue entry id -> the group, JSON)
+``{ns:atropos}:counts``                            hash          ``serve atropos``: ``env|sequences`` -> groups
+                                                                 queued (queue and front), for ``/status-env``
+``{ns:atropos}:env:<group id>``                    string (TTL)  ``serve atropos``: env id of a group posted and
+                                                                 not yet queued
+``{ns:atropos}:dlq_cursor``                        string        ``serve atropos``: the last dead letter read for
+                                                                 groups lost in flight
 =================================================  ============  ==============================================
 
 The ``serve atropos`` keys share one hash tag, ``{ns:atropos}``, so its scripts touch several at once.
@@ -69,7 +77,8 @@ SHARDABLE: Final = frozenset({"rollouts", "scored"})
 MAX_SHARDS: Final = 1024
 #: The single keys of the Atropos-compatible server (``Keys.atropos``).
 ATROPOS_PARTS: Final = frozenset(
-    {"trainer", "envs", "inflight", "inflight_at", "discard", "queue", "leases", "lease_deadlines", "latest"}
+    {"trainer", "envs", "inflight", "inflight_at", "discard", "queue", "leases", "lease_deadlines", "latest",
+     "front", "counts", "dlq_cursor"}
 )
 
 
@@ -193,6 +202,10 @@ class Keys:
     def atropos_buffer(self, env_id: int) -> str:
         """Groups of env ``env_id`` waiting for others to fill its group size (``serve atropos``)."""
         return f"{{{self.namespace}:atropos}}:buffer:{int(env_id)}"
+
+    def atropos_env(self, group_id: str) -> str:
+        """Env id of a group posted to ``serve atropos`` and not yet on its queue."""
+        return f"{{{self.namespace}:atropos}}:env:{group_id}"
 
     def atropos_seen(self, group_id: str) -> str:
         """Dedupe marker of a group put on the ``serve atropos`` queue."""

@@ -5,7 +5,9 @@
         producer.push(group)                           # a schemas.RolloutGroup
         producer.push_atropos(scored_data_group_dict)  # or the reference ScoredDataGroup layout
 
-Pushes are idempotent by group id and wait (backpressure) while the rollouts stream is full.
+Pushes are idempotent by group id and wait (backpressure) while the rollouts stream is full. A
+ScoredDataGroup without ``group_id`` gets one derived from its content
+(``schemas.atropos.content_group_id``), so pushing the same group again after an error is safe.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class AsyncGroupProducer:
         return await self.producer.send(group)
 
     async def push_atropos(self, obj: dict[str, Any], *, policy_version: int = 0) -> Added:
+        """Convert and add one ScoredDataGroup dict; without ``group_id`` its id is ``content_group_id(obj)``
+        (derived by ``rollout_from_atropos``), so a retried push is the same group."""
         msg = rollout_from_atropos(obj, policy_version=policy_version)
         return await self.push(msg.group if isinstance(msg, ScoredGroup) else msg)
 

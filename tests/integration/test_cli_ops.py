@@ -22,7 +22,7 @@ from pipeline.transport.consumer import StreamConsumer
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from schemas import DecodeError, DistillStatus, RolloutGroup, ScoredGroup, decode
-from schemas.atropos import to_atropos
+from schemas.atropos import content_group_id, to_atropos
 from schemas.build import make_sequence, make_teacher, synthetic_rollout, synthetic_scored
 
 pytestmark = pytest.mark.redis
@@ -423,6 +423,7 @@ async def test_push_lines_without_group_id_get_a_content_id_and_repush_is_dedupl
     assert code == 0 and out == "pushed 2 group(s) onto rollouts\n"
     ids = [decode(f[b"d"], expect=RolloutGroup).group_id for _, f in await r.xrange(keys.stream("rollouts"))]
     assert len(set(ids)) == 2 and all(i.startswith("sha256-") and len(i) == len("sha256-") + 32 for i in ids)
+    assert ids == [content_group_id(a), content_group_id(b)]  # the function the server and the SDK use too
 
     # The same content again, keys in another order and spaced differently: the same ids, nothing added.
     reordered = tmp_path / "again.jsonl"

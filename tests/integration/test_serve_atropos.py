@@ -287,14 +287,14 @@ def test_data_flow_matches_atroposlib_and_adds_the_teacher(stack: Stack) -> None
     """Posting, buffering off-size groups, the latest example (values echoed exactly), batches of whole groups
     counted in sequences, and the step: as the reference, plus distill arrays from the teacher."""
     g = [group(seed=i, env_id=0, advantages=[[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]] * 2) for i in range(5)]
-    single = group(n=1, seed=9, env_id=0)
+    single, more = group(n=1, seed=9, env_id=0), [group(n=1, seed=10, env_id=0), group(n=1, seed=11, env_id=0)]
     with AtroposServer() as ref:
         for server in (stack, ref):
             server.post("/register", REGISTRATION)
             server.get("/batch")
             assert server.post("/register-env", ENV).json()["env_id"] == 0
         for body, path in [(g[0], "/scored_data"), (single, "/scored_data"), ([g[1], g[2]], "/scored_data_list"),
-                           ([single, single], "/scored_data_list")]:
+                           (more, "/scored_data_list")]:  # distinct: the same group twice is one group
             assert answer(stack.post(path, body)) == answer(ref.post(path, body)), body
         assert answer(stack.get("/latest_example")) == answer(ref.get("/latest_example"))
         # g0, g1, g2 and the first two singles (released together): groups in flight to the teacher count too
@@ -385,6 +385,7 @@ def test_oversize_groups_are_dead_lettered_instead_of_blocking(stack: Stack) -> 
                        "oversize_group: 4 sequences > batch_size 2; it can never be part of a batch"]
     sources = sorted(f[b"source"] for _, f in stack.r.xrange(stack.keys.dlq))
     assert sources == [b"rollouts", b"scored"]  # each replayable onto the stream it came from
+    assert stack.get("/status").json()["queue_size"] == 0  # the dead-lettered group left the running count
 
 
 def test_teacher_top_k_minus_one_means_no_teacher(stack: Stack) -> None:
@@ -502,8 +503,8 @@ def test_state_survives_a_server_restart(redis_url: str, keys: Keys, tmp_path: P
     started again (through its CLI) carries on."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "pipeline.ops.cli.serve", "atropos", "--port", str(port), "--redis-url", redis_url,
-            "--namespace", keys.namespace, "--lease-s", "1"]
+    argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--port", str(port),
+            "--redis-url", redis_url, "--namespace", keys.namespace, "--lease-s", "1"]
     env = {**os.environ, "DISTILLQ_BLOCK_MS": "100"}
 
     def start() -> subprocess.Popen[bytes]:
@@ -576,19 +577,204 @@ def test_pick_batch_fills_minimum_allocations_first() -> None:
     assert pick_batch(queue, 4, None) == [0, 1]
 
 
-async def test_in_flight_records_of_groups_lost_on_the_way_expire(r: Any, keys: Keys) -> None:
-    """A group dead-lettered between ``rollouts`` and the queue would count in ``/status`` forever: records
-    beyond what the streams hold are dropped, oldest first, once older than the grace period."""
-    from pipeline.serve.atropos_state import INFLIGHT_GRACE_S, AtroposState
+async def test_in_flight_records_leave_when_a_dead_letter_names_the_group_or_after_the_ttl(r: Any, keys: Keys) -> None:
+    """A group dead-lettered between ``rollouts`` and the queue would count in ``/status`` forever: its record
+    goes when a dead letter names it (read once), or after the dedupe TTL; a group that is merely slow stays,
+    whatever the streams hold, and its env marker with it."""
+    from pipeline.serve.atropos_state import AtroposState
 
-    state = AtroposState(r, keys)
-    for i, gid in enumerate(("old-a", "old-b", "old-c", "fresh")):
-        assert await state.track(gid, 0 if i < 2 else None, 2)
-    assert not await state.track("fresh", 0, 2)  # posted twice: one record
-    old = time.time() - INFLIGHT_GRACE_S - 1
-    await r.zadd(keys.atropos("inflight_at"), {"old-a": old - 2, "old-b": old - 1, "old-c": old})
-    assert await state.reconcile_inflight(in_streams=4) == 0
-    assert await state.reconcile_inflight(in_streams=1) == 3  # 3 in excess, all past the grace period
-    assert await state.inflight() == [(None, 2)]
+    state = AtroposState(r, keys, ttl_s=3600)
+    await r.xadd(keys.dlq, {"stage": "teacher", "reason": "decode_error: x", "orig_gid": "lost"})  # before its post
+    assert await state.reconcile_inflight() == 0  # nothing in flight: the cursor moves to now (Redis' clock)
+    for gid in ("lost", "slow", "old"):
+        assert await state.track(gid, 0, 2)
+    assert not await state.track("slow", 0, 2)  # posted twice: one record
+    await r.zadd(keys.atropos("inflight_at"), {"old": time.time() - 3601})
+    await r.xadd(keys.dlq, {"stage": "teacher", "reason": "decode_error: x", "orig_gid": "lost"})
+    await r.xadd(keys.dlq, {"stage": "teacher", "reason": "decode_error: x", "orig_gid": "not-in-flight"})
+    assert await state.reconcile_inflight() == 2
+    assert [k.decode() for k in await r.hkeys(keys.atropos("inflight"))] == ["slow"]
+    assert await r.get(keys.atropos_env("slow")) == b"0" and await r.get(keys.atropos_env("lost")) is None
+    assert await state.reconcile_inflight() == 0  # each dead letter is read once
     await state.track("new", 1, 4)
-    assert await state.reconcile_inflight(in_streams=0) == 0  # the fresh ones wait out the grace period
+    await r.xadd(keys.dlq, {"stage": "teacher", "reason": "decode_error: x", "orig_gid": "slow"})
+    assert await state.reconcile_inflight() == 1
+    assert await state.inflight() == [(1, 4)]
+
+
+def test_the_env_id_travels_with_the_group_not_the_in_flight_record(stack: Stack) -> None:
+    """A group that waits behind a slow teacher keeps its env, even if its in-flight record is gone."""
+    stack.start_trainer(batch_size=2)
+    stack.post("/register-env", ENV)
+    stack.teacher.__exit__()
+    assert stack.post("/scored_data", group(seed=1, env_id=0)).json() == {"status": "received"}
+    stack.r.delete(stack.keys.atropos("inflight"), stack.keys.atropos("inflight_at"))
+    stack.teacher = TeacherThread(stack.redis_url, stack.keys.namespace).__enter__()
+    stack.wait_queued(1)
+    ((_, fields),) = stack.r.xrange(stack.keys.atropos("queue"))
+    assert fields[b"env"] == b"0"
+    assert stack.get("/status-env", json={"env_id": 0}).json()["self_queue_size"] == 1
+    assert stack.r.keys(stack.keys.atropos_env("*")) == []  # the marker went with the move
+
+
+def test_queue_counts_follow_the_queue(stack: Stack) -> None:
+    """``/status`` and ``/status-env`` read running counts (``env|sequences`` -> groups), not the queue."""
+    from pipeline.serve.atropos_scripts import RECOUNT
+
+    stack.start_trainer(batch_size=2)
+    for i in range(3):
+        stack.post("/scored_data", group(seed=i))
+    stack.post("/scored_data", group(n=1, seed=9))
+    stack.wait_queued(4)
+    counts = stack.keys.atropos("counts")
+    assert stack.r.hgetall(counts) == {b"|2": b"3", b"|1": b"1"}
+    assert stack.get("/batch").json()["batch"][0]["tokens"] == group(seed=0)["tokens"]
+    assert stack.r.hgetall(counts) == {b"|2": b"2", b"|1": b"1"}
+    assert stack.get("/status").json()["queue_size"] == 3
+    stack.r.delete(counts)  # a queue written before the counts existed: counted once, at the mover's start
+    recount = stack.r.register_script(RECOUNT)
+    keys = [counts, stack.keys.atropos("queue"), stack.keys.atropos("front")]
+    assert recount(keys=keys) == 3 and recount(keys=keys) == 0
+    assert stack.r.hgetall(counts) == {b"|2": b"2", b"|1": b"1"}
+
+
+def test_an_expired_batch_missing_a_group_is_never_handed_out_short(stack: Stack) -> None:
+    """The trainer expects exactly batch_size sequences: the kept groups go back in front of the queue and
+    a new batch is formed, oldest first."""
+    stack.start_trainer(batch_size=4)
+    for i in range(3):
+        stack.post("/scored_data", group(seed=i))
+    stack.wait_queued(3)
+
+    def lease_and_lose_the_first(expected: list[int]) -> str:
+        first = stack.get("/batch", params={"lease_s": 0.3}).json()
+        assert [b["tokens"] for b in first["batch"]] == [group(seed=i)["tokens"] for i in expected]
+        lease = json.loads(stack.r.hget(stack.keys.atropos("leases"), first["batch_id"]))  # type: ignore[arg-type]
+        stack.r.delete(lease["groups"][0][2])  # the first group's payload is gone
+        time.sleep(0.4)
+        return str(first["batch_id"])
+
+    first_id = lease_and_lose_the_first([0, 1])
+    again = stack.get("/batch", params={"lease_s": 30}).json()
+    assert [b["tokens"] for b in again["batch"]] == [group(seed=1)["tokens"], group(seed=2)["tokens"]]
+    assert again["deliveries"] == 1 and again["batch_id"] != first_id
+    assert stack.post("/batch/ack", {"batch_id": first_id}).status_code == 404
+    assert stack.post("/batch/ack", {"batch_id": again["batch_id"]}).status_code == 200
+    for i in (3, 4):
+        stack.post("/scored_data", group(seed=i))
+    stack.wait_queued(2)
+    lease_and_lose_the_first([3, 4])
+    assert stack.get("/batch").json() == {"batch": None}  # 2 sequences left: not enough, and not handed out short
+    assert stack.get("/status").json()["queue_size"] == 1
+    stack.post("/scored_data", group(seed=5))
+    stack.wait_queued(1)
+    last = stack.get("/batch").json()["batch"]
+    assert [b["tokens"] for b in last] == [group(seed=4)["tokens"], group(seed=5)["tokens"]]  # the kept one first
+    reasons = [f[b"reason"].decode() for _, f in stack.r.xrange(stack.keys.dlq)]
+    assert len(reasons) == 2 and all(x.startswith("payload_missing: ") for x in reasons)
+    assert stack.get("/status").json()["queue_size"] == 0 and not stack.r.exists(stack.keys.atropos("front"))
+
+
+def test_a_retried_list_queues_each_group_once(stack: Stack) -> None:
+    """BaseEnv retries a whole ``/scored_data_list`` after a 5xx, without group ids: each group is queued once."""
+    stack.start_trainer(batch_size=2)
+    items = [group(seed=1), group(seed=2)]
+    for _ in range(2):
+        assert stack.post("/scored_data_list", items).json()["status"] == "received"
+    stack.wait_queued(2)
+    time.sleep(0.5)
+    assert stack.r.xlen(stack.keys.atropos("queue")) == 2 and stack.get("/status").json()["queue_size"] == 2
+    got = [stack.get("/batch").json()["batch"] for _ in range(3)]
+    assert [b[0]["tokens"] for b in got[:2]] == [g["tokens"] for g in items] and got[2] is None
+
+
+async def test_the_sdk_pushes_a_group_without_group_id_once(r: Any, keys: Keys) -> None:
+    from pipeline.transport.producer import AddResult
+    from pipeline.transport.sdk import AsyncGroupProducer
+    from schemas.atropos import content_group_id
+
+    async with AsyncGroupProducer(namespace=keys.namespace, redis=r) as producer:
+        first, again = [await producer.push_atropos(group(seed=3)) for _ in range(2)]
+    assert (first.result, again.result) == (AddResult.ADDED, AddResult.DUPLICATE)
+    assert await r.xlen(keys.stream("rollouts")) == 1
+    ((_, fields),) = await r.xrange(keys.stream("rollouts"))
+    assert fields[b"gid"].decode() == content_group_id(group(seed=3))
+
+
+def test_inflate_never_runs_past_the_cap() -> None:
+    """A first gzip member of exactly cap + 1 bytes used to leave the next member no output limit at all."""
+    import tracemalloc
+
+    from pipeline.serve.atropos_app import _inflate
+
+    cap = 1 << 20
+    bomb = gzip.compress(b"a" * (cap + 1), 1) + gzip.compress(bytes(64 << 20), 9)
+    tracemalloc.start()
+    try:
+        with pytest.raises(OverflowError):
+            _inflate(bomb, cap)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak} bytes allocated"
+    with pytest.raises(OverflowError):
+        _inflate(gzip.compress(b"a" * cap) + gzip.compress(b"b"), cap)
+    assert _inflate(gzip.compress(b"x" * 10) + gzip.compress(b"y" * (cap - 10)), cap) == b"x" * 10 + b"y" * (cap - 10)
+
+
+def test_request_bodies_above_the_cap_get_413_and_the_server_keeps_serving(redis_url: str, keys: Keys) -> None:
+    cap = 1 << 20
+    cfg = ServeConfig(redis=RedisSettings(redis_url=redis_url, namespace=keys.namespace), streams=FAST,
+                      max_body_bytes=cap)
+    two_members = gzip.compress(b" " * (cap + 1), 1) + gzip.compress(bytes(64 << 20), 9)
+    noise = gzip.compress(np.random.default_rng(0).bytes(cap + 4096), 1)  # more than the cap as sent
+    gz = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    with ThreadedServer(create_app(cfg)) as srv:
+        plain = {"Content-Type": "application/json"}
+        for body, headers in ((two_members, gz), (noise, gz), (b"[" + b" " * cap + b"]", plain)):
+            r = http("POST", srv.url + "/scored_data_list", data=body, headers=headers)
+            assert r.status_code == 413 and "more than 1048576 bytes" in r.text, (r.status_code, r.text[:200])
+            assert http("GET", srv.url + "/info").status_code == 200
+        at_cap = json.dumps(group(seed=1)).encode().ljust(cap, b" ")
+        assert http("POST", srv.url + "/scored_data", data=at_cap, headers=plain).json() == {"status": "received"}
+        at_cap_gz = gzip.compress(json.dumps(group(seed=2)).encode().ljust(cap, b" "))
+        assert http("POST", srv.url + "/scored_data", data=at_cap_gz, headers=gz).json() == {"status": "received"}
+
+
+async def test_a_reset_waits_for_posts_under_way_and_holds_new_ones() -> None:
+    from pipeline.serve.atropos_server import PostGate
+
+    gate, events, release = PostGate(), [], asyncio.Event()
+
+    async def post(name: str, hold: bool) -> None:
+        async with gate.post():
+            events.append(f"{name} in")
+            if hold:
+                await release.wait()
+            events.append(f"{name} out")
+
+    async def reset() -> None:
+        async with gate.reset():
+            events.append("reset")
+
+    first = asyncio.create_task(post("a", True))
+    await asyncio.sleep(0.01)
+    resetting = asyncio.create_task(reset())
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(post("b", False))
+    await asyncio.sleep(0.01)
+    assert events == ["a in"]
+    release.set()
+    await asyncio.gather(first, resetting, second)
+    assert events == ["a in", "a out", "reset", "b in", "b out"]
+
+
+def test_unreachable_redis_at_startup_is_one_line_and_exit_3() -> None:
+    argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--port", str(free_port()),
+            "--redis-url", "redis://127.0.0.1:1/0"]
+    t0 = time.monotonic()
+    res = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert res.returncode == 3, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach Redis at redis://127.0.0.1:1/0" in lines[0], res.stderr[-2000:]
+    assert time.monotonic() - t0 < 15

@@ -14,8 +14,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.atropos import ATROPOS_KEYS, MASKED, MASKED_LOGPROB, STASH, rollout_from_atropos, to_atropos
-from schemas.build import make_sequence, synthetic_rollout, synthetic_scored
+from schemas.atropos import (
+    ATROPOS_KEYS,
+    MASKED,
+    MASKED_LOGPROB,
+    STASH,
+    content_group_id,
+    rollout_from_atropos,
+    to_atropos,
+)
+from schemas.build import make_sequence, no_teacher_reason, synthetic_rollout, synthetic_scored
 from schemas.codec import decode, encode
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup
 from schemas.validate import DecodeError, Limits
@@ -195,7 +203,29 @@ def test_group_id_precedence() -> None:
     assert rollout_from_atropos(ref, group_id="arg").group_id == "arg"
     assert rollout_from_atropos({**ref, "group_id": "obj"}, group_id="arg").group_id == "obj"
     a, b = rollout_from_atropos(ref).group_id, rollout_from_atropos(ref).group_id
-    assert len(a) == 32 and a != b
+    assert a == b == content_group_id(ref) and a.startswith("sha256-")  # the same group sent again: one id
+    other = rollout_from_atropos({**ref, "scores": [9.0, 9.0, 9.0]}).group_id
+    assert other != a and other == content_group_id({**ref, "scores": [9.0, 9.0, 9.0]})
+
+
+def test_teacher_top_k_override_is_type_checked_with_distill_top_k_too() -> None:
+    ref = reference_group()
+    for extra in ({}, {"distill_top_k": 4}):
+        with pytest.raises(DecodeError) as e:
+            rollout_from_atropos({**ref, **extra, "group_overrides": {"teacher_top_k": "4"}})
+        assert e.value.field == "group_overrides.teacher_top_k" and "must be an integer" in e.value.reason
+
+
+@pytest.mark.parametrize(("overrides", "want"), [
+    (None, None), ({}, None), ({"teacher_top_k": 5}, None), ({"teacher_top_k": 0}, None),
+    ({"teacher_top_k": True}, None), ({"teacher_top_k": -1}, "teacher_top_k=-1: no teacher"),
+    ({"teacher_top_k": -3}, "teacher_top_k=-3: no teacher"),
+])
+def test_no_teacher_reason(overrides: dict[str, Any] | None, want: str | None) -> None:
+    assert no_teacher_reason(overrides) == want
+    if want is not None:  # the conversion gives the same reason
+        msg = rollout_from_atropos({**reference_group(), "group_overrides": overrides})
+        assert isinstance(msg, ScoredGroup) and msg.status is DistillStatus.SKIPPED and msg.reason == want
 
 
 def test_single_token_sequence() -> None:

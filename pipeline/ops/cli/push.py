@@ -2,17 +2,17 @@
 
 Every line is validated first; if any line is bad, each bad line is reported with its number and
 reason and nothing from the file is pushed. A line without a ``group_id`` gets one derived from its
-content, so pushing the same file again is deduplicated like any other re-push.
+content (``schemas.atropos.content_group_id``), so pushing the same file again is deduplicated like any
+other re-push.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import redis.asyncio as aioredis
 from rich.markup import escape
@@ -24,12 +24,11 @@ from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, StreamProducer
 from pipeline.transport.sharding import get_shards
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
-from schemas.atropos import rollout_from_atropos
+from schemas.atropos import content_group_id, rollout_from_atropos
 
 #: The streams groups can be pushed onto, and who writes the others.
 PUSHABLE: Final = ("rollouts", "scored")
 _WRITTEN_BY: Final = {"batches": "the feeder (batches of scored groups)", "dlq": "the workers (dead letters)"}
-DERIVED_PREFIX: Final = "sha256-"
 
 
 def push_stream(value: str) -> str:
@@ -55,12 +54,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="policy version for lines without policy_version")
     add_redis_args(p)
     p.set_defaults(func=main)
-
-
-def content_group_id(obj: dict[str, Any]) -> str:
-    """A stable group id for a line without one: the SHA-256 of its canonical JSON (keys sorted, no spaces)."""
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return DERIVED_PREFIX + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list[Message], list[str]]:
