@@ -17,18 +17,22 @@
 =========================================  ===================================================================
 
 Every inference request carrying ``X-Session-ID`` is recorded in that session's tree-mode tracker.
-Errors use the OpenAI shape ``{"error": {"message", "type", "code"}}`` (422 for a malformed body).
+Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``. A malformed body (a missing
+or out-of-range field, invalid JSON) is a 400 naming the field, as vLLM and OpenAI answer it, so an OpenAI
+client (verifiers') raises its ``BadRequestError`` with the reason rather than FastAPI's ``{"detail": [...]}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.rollout.openai_types import Stream
@@ -74,12 +78,18 @@ def create_app(service: StudentService, *, maintain_every_s: float = 10.0, api_k
     async def serve_error(request: Request, exc: ServeError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
     if api_key:
-        expected = f"Bearer {api_key}"
+        expected = f"Bearer {api_key}".encode()
 
         @app.middleware("http")
         async def authorize(request: Request, call_next: Any) -> Response:
-            if request.url.path != "/health" and request.headers.get("authorization") != expected:
+            given = request.headers.get("authorization", "").encode("latin-1")  # the header's bytes as sent
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
                 return JSONResponse(ServeError(401, "invalid or missing API key", "AuthenticationError").body(), 401)
             response: Response = await call_next(request)
             return response
@@ -147,6 +157,22 @@ def _session_routes(app: FastAPI, service: StudentService) -> None:
             "unsent_groups": len(service.unsent),
             "untracked_requests": service.untracked,
         }
+
+
+#: How many validation errors a 400 lists (a large malformed body can fail on every element).
+MAX_REPORTED_ERRORS = 10
+
+
+def validation_error(exc: RequestValidationError) -> ServeError:
+    """A 400 in the OpenAI shape for a body FastAPI could not validate: each failing field with pydantic's
+    reason (never the offending value), ``param`` the first field."""
+    errors = list(exc.errors())
+    where = [".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body" for e in errors]
+    parts = [f"{w}: {e.get('msg', 'invalid')}" for w, e in zip(where, errors, strict=True)][:MAX_REPORTED_ERRORS]
+    if len(errors) > MAX_REPORTED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
+    message = "invalid request: " + ("; ".join(parts) or "the body does not validate")
+    return ServeError(400, message, param=where[0] if where else None)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

@@ -9,19 +9,23 @@ Hook it into a ``serve`` subcommand parser with::
     add_student_arguments(p)
     p.set_defaults(func=run_student)
 
-``python -m pipeline.serve.student_cli ARGS`` runs it without the ``distillq`` entry point.
+``python -m pipeline.serve.student_cli ARGS`` runs it without the ``distillq`` entry point. Either way a
+failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit status docs/cli.md
+gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be reached, 1 when
+the port cannot be bound. ``run_student`` prints it itself (the serve layer does not import the CLI's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -29,10 +33,15 @@ from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.logs import configure_logging
 
 if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
+    from pipeline.config import RedisSettings
     from pipeline.rollout.student_base import StudentBackend
     from pipeline.serve.student_service import ServeConfig
 
 log = structlog.get_logger(__name__)
+
+#: Exit statuses, as every ``distillq`` command uses them (docs/cli.md, "Exit status").
+EXIT_USAGE: Final = 2
+EXIT_REDIS: Final = 3
 
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +57,8 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME",
-        help="name clients use for the model, repeatable (default: --model, or the vLLM model name)",
+        help="name clients use for the model, repeatable (default: hf: the --model path as given; vllm: the "
+             "name the vLLM server serves it under, --vllm-model or the first it lists)",
     )
     p.add_argument(
         "--max-model-len",
@@ -85,8 +95,6 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
 def _hf_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
     from pipeline.rollout.student_hf import HFStudent
 
-    if not args.model:
-        raise ValueError("--backend hf needs --model DIR")
     student = HFStudent.from_pretrained(args.model)
     if args.tokenizer:
         from transformers import AutoTokenizer
@@ -116,8 +124,6 @@ def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig
     from pipeline.rollout.student_vllm import VLLMStudent
     from pipeline.urls import server_root
 
-    if not args.url or not args.tokenizer:
-        raise ValueError("--backend vllm needs --url and --tokenizer")
     root = server_root(args.url)
     models = _vllm_models(root)
     name = args.vllm_model or (models[0]["id"] if models else None)
@@ -145,7 +151,26 @@ def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, voca
     )
 
 
-async def _serve(args: argparse.Namespace, backend: StudentBackend, config: ServeConfig) -> int:
+async def _serve(
+    args: argparse.Namespace,
+    backend: StudentBackend,
+    config: ServeConfig,
+    *,
+    started: Callable[[Any], None] | None = None,
+) -> int:
+    """Serve until the server stops (a signal; ``started`` gets the uvicorn server once it listens), then
+    close the backend (the vLLM client's connections)."""
+    try:
+        return await _serve_app(args, backend, config, started)
+    finally:
+        aclose = getattr(backend, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _serve_app(
+    args: argparse.Namespace, backend: StudentBackend, config: ServeConfig, started: Callable[[Any], None] | None
+) -> int:
     import uvicorn
 
     from pipeline.serve.student_app import create_app
@@ -161,38 +186,100 @@ async def _serve(args: argparse.Namespace, backend: StudentBackend, config: Serv
         app = create_app(service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)), api_key=api_key)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
         stopped: list[int] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal after its graceful shutdown
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:  # uvicorn re-raises the signal after its graceful shutdown: noted, not fatal
             signal.signal(sig, lambda s, _frame: stopped.append(s))
-        task = asyncio.create_task(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if not server.started:
+        try:
+            task = asyncio.create_task(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if not server.started:
+                await task
+                return 1
+            _started(args, server, config, rs.namespace)
+            if started is not None:
+                started(server)
             await task
-            return 1
-        port = server.servers[0].sockets[0].getsockname()[1]
-        if args.port_file:
-            args.port_file.write_text(f"{port}\n")
-        log.info("student.serving", url=f"http://{args.host}:{port}/v1", models=list(config.served_names),
-                 max_model_len=config.max_model_len, namespace=rs.namespace)  # fmt: skip
-        await task
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     log.info("student.stopped", signal=signal.Signals(stopped[0]).name if stopped else None)
     return 0
 
 
-def run_student(args: argparse.Namespace) -> int:
-    """Load the backend and serve until interrupted; 2 on a configuration error, 1 if it cannot listen."""
-    for flag, value in (("--group-size", args.group_size), ("--max-sessions", args.max_sessions)):
-        if value < 1:
-            print(f"error: {flag} must be >= 1", file=sys.stderr)
-            return 2
+def _started(args: argparse.Namespace, server: Any, config: ServeConfig, namespace: str) -> None:
+    port = server.servers[0].sockets[0].getsockname()[1]
+    if args.port_file:
+        args.port_file.write_text(f"{port}\n")
+    log.info("student.serving", url=f"http://{args.host}:{port}/v1", models=list(config.served_names),
+             max_model_len=config.max_model_len, namespace=namespace)  # fmt: skip
+
+
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags (checked before anything loads or connects), or None."""
+    checks = (
+        (args.group_size >= 1, "--group-size must be >= 1"),
+        (args.max_sessions >= 1, "--max-sessions must be >= 1"),
+        (math.isfinite(args.session_ttl) and args.session_ttl > 0, "--session-ttl must be a number of seconds > 0"),
+        (args.default_max_tokens >= 1, "--default-max-tokens must be >= 1"),
+        (args.max_model_len is None or args.max_model_len >= 2, "--max-model-len must be >= 2"),
+        (0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}"),
+        (0 <= args.metrics_port <= 65535, f"--metrics-port must be in 0..65535, got {args.metrics_port}"),
+        (args.backend != "hf" or bool(args.model), "--backend hf needs --model DIR"),
+        (args.backend != "vllm" or bool(args.url and args.tokenizer), "--backend vllm needs --url and --tokenizer"),
+    )
+    for ok, message in checks:
+        if not ok:
+            return message
     if args.api_key_var and not os.environ.get(args.api_key_var):
-        print(f"error: --api-key-var {args.api_key_var}: the variable is not set", file=sys.stderr)
-        return 2
+        return f"--api-key-var {args.api_key_var}: the variable is not set"
+    return None
+
+
+def redis_error(exc: BaseException, url: str) -> str:
+    """One line for a Redis that cannot be used, the password masked (the words other commands print)."""
+    from pipeline.transport.connection import redis_error_line
+
+    return redis_error_line(exc, url)
+
+
+async def _ping(settings: RedisSettings) -> None:
+    from pipeline.transport.connection import connect
+
+    client = connect(settings)
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"distillq: {message}", file=sys.stderr, flush=True)
+    return status
+
+
+def run_student(args: argparse.Namespace) -> int:
+    """Check the flags and Redis, load the backend and serve until interrupted: 0 after a signal, 2 on a
+    configuration error, 3 if Redis cannot be reached, 1 if the port cannot be bound."""
+    from pydantic import ValidationError
+    from redis.exceptions import RedisError
+
+    problem = usage_error(args)
+    if problem is not None:
+        return _fail(problem, EXIT_USAGE)
+    try:
+        rs = redis_settings_from_args(args)
+    except ValidationError as e:  # a malformed --redis-url or DISTILLQ_* setting
+        reasons = (f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}" for x in e.errors())
+        return _fail("invalid setting " + "; ".join(reasons), EXIT_USAGE)
+    try:
+        asyncio.run(_ping(rs))  # before the model loads: a Redis that is away is said at once
+    except (RedisError, OSError) as e:
+        return _fail(redis_error(e, rs.redis_url), EXIT_REDIS)
     try:
         backend, config = _hf_backend(args) if args.backend == "hf" else _vllm_backend(args)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(" ".join(str(e).split()), EXIT_USAGE)
     from pipeline.metrics import serve_metrics
 
     serve_metrics(args.metrics_port)

@@ -54,12 +54,12 @@ NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
 class ServeError(Exception):
     """An error answered in the OpenAI shape: ``{"error": {"message", "type", "code"}}``."""
 
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
 class SamplingParams(BaseModel):
@@ -158,7 +158,8 @@ class StudentService:
         self.groups = (
             groups if groups is not None else GroupAssembler(ttl_s=self.sessions.ttl_s, clock=self.sessions.clock)
         )
-        self.unsent: dict[str, RolloutGroup] = {}
+        self.unsent: dict[str, RolloutGroup] = {}  # built groups whose push is not confirmed yet
+        self._delivering: set[str] = set()  # ids of groups whose push is under way
         self.untracked = 0  # requests without an X-Session-ID
         self.started = int(time.time())
 
@@ -302,32 +303,48 @@ class StudentService:
         return self.sessions.pop(session_id) is not None
 
     async def _deliver(self, group: RolloutGroup) -> dict[str, Any]:
-        info: dict[str, Any] = {"id": group.group_id, "sequences": len(group.sequences), "pushed": False}
+        """Push ``group``. It stays in ``unsent`` until the sink confirms, so a push that fails, or is cancelled
+        mid-way (the server stopping), is retried by ``maintain`` or ``close`` (the producer drops a repeat)."""
+        gid = group.group_id
+        info: dict[str, Any] = {"id": gid, "sequences": len(group.sequences), "pushed": False}
+        self.unsent[gid] = group
+        self._delivering.add(gid)
         try:
             await self.sink(group)
         except DecodeError as e:  # a bad group is dropped, with the reason
-            log.error("student.group_invalid", group=group.group_id, error=str(e))
+            self.unsent.pop(gid, None)
+            log.error("student.group_invalid", group=gid, error=str(e))
             info["error"] = f"invalid group, dropped: {e}"
             return info
         except Exception as e:  # Redis down, backpressure timeout: kept and retried by maintain()
-            self.unsent[group.group_id] = group
-            log.warning("student.push_failed", group=group.group_id, error=f"{type(e).__name__}: {e}")
+            log.warning("student.push_failed", group=gid, error=f"{type(e).__name__}: {e}")
             info["error"], info["retrying"] = f"{type(e).__name__}: {e}", True
             return info
-        self.unsent.pop(group.group_id, None)
-        log.info("student.group_pushed", group=group.group_id, task=group.task_id, sequences=len(group.sequences))
+        finally:
+            self._delivering.discard(gid)
+        self.unsent.pop(gid, None)
+        log.info("student.group_pushed", group=gid, task=group.task_id, sequences=len(group.sequences))
         info["pushed"] = True
         return info
+
+    def _hold(self, groups: list[RolloutGroup]) -> None:
+        """Record groups taken out of the assembler as unsent before any is pushed: if the pushes are
+        cancelled, none of them is lost."""
+        for g in groups:
+            self.unsent[g.group_id] = g
 
     async def maintain(self) -> None:
         """Evict idle sessions, flush groups open too long, retry groups whose push failed."""
         self.sessions.sweep()
-        for g in [*self.groups.expired(), *self.unsent.values()]:
+        self._hold(self.groups.expired())
+        for g in [g for gid, g in self.unsent.items() if gid not in self._delivering]:
             await self._deliver(g)
 
     async def close(self) -> None:
-        """At shutdown: push open groups as partial groups; report rollouts never finished."""
-        for g in [*self.groups.drain(), *self.unsent.values()]:
+        """At shutdown: push open groups as partial groups, and every unsent group; report rollouts never
+        finished."""
+        self._hold(self.groups.drain())
+        for g in list(self.unsent.values()):
             await self._deliver(g)
         if len(self.sessions):
             log.warning("student.unfinished_sessions", sessions=len(self.sessions))

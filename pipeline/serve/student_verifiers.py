@@ -5,9 +5,10 @@ A ``Trace`` (``agent.run``, ``Episode.traces``) or its JSON record (``trace.to_r
 sampled tokens) and ``logprobs`` (one per sampled token). Each root-to-leaf path (``Trace.branches``) is
 one training sample: ``groups_from_traces`` turns every trainable branch into a sequence scored with the
 trace's reward (the sum of ``score * weight`` over ``trace.rewards``) and groups the traces by task key
-(``trace.task.key``, else ``trace.task.hash``). A ``Trace`` object's ``branches`` are read as verifiers
-computes them; a record's are rebuilt by the same rule (leaves in node order, a compaction attempt
-trainable only when a ``compaction`` link resumes from it).
+(``trace.task.key``, else ``trace.task.hash``), built by the server's own ``build_group`` (same group id,
+same metadata). A ``Trace`` object's ``branches`` are read as verifiers computes them; a record's are
+rebuilt by the same rule (leaves in node order, a compaction attempt trainable only when a ``compaction``
+link resumes from it).
 
 Records round per-token floats to 4 decimals unless written with ``to_record(float_decimals=None)``;
 live ``Trace`` objects keep full precision. Traces that are not ``ok`` and traces of an agent marked not
@@ -16,14 +17,13 @@ trainable are skipped unless asked for, as are branches with no sampled token.
 
 from __future__ import annotations
 
-import hashlib
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from pipeline.serve.student_sessions import FinishedRollout, GroupSpec, build_group
 from schemas.build import make_sequence
 from schemas.messages import RolloutGroup
 from schemas.messages import Sequence as WireSequence
@@ -127,18 +127,11 @@ def trace_sequences(trace: Any, *, include_untrainable: bool = False) -> list[Wi
     return out
 
 
-def _group(key: str, traces: list[Any], seqs: list[list[WireSequence]], env_id: int, version: int) -> RolloutGroup:
-    ids = [str(_get(t, "id")) for t in traces]
-    return RolloutGroup(
-        group_id=hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()[:32],
-        sequences=[s for ss in seqs for s in ss],
-        env_id=env_id,
-        task_id=key,
-        policy_version=version,
-        created_at=time.time(),
-        # the keys the server writes: a trace id is the X-Session-ID of its requests
-        metadata={"sessions": ids, "sequence_sessions": [i for i, ss in zip(ids, seqs, strict=True) for _ in ss]},
-    )
+def _group(traces: list[Any], seqs: list[list[WireSequence]], spec: GroupSpec) -> RolloutGroup:
+    """The group the server builds for these rollouts (a trace id is the X-Session-ID of its requests): same
+    group id, same metadata; fewer traces than ``spec.group_size`` make a partial group, as on the server."""
+    rollouts = [FinishedRollout(str(_get(t, "id")), ss) for t, ss in zip(traces, seqs, strict=True)]
+    return build_group(spec, rollouts, partial=len(rollouts) < spec.group_size)
 
 
 def groups_from_traces(
@@ -150,7 +143,8 @@ def groups_from_traces(
     include_failed: bool = False,
 ) -> list[RolloutGroup]:
     """Group traces by task key (in order of first appearance), ``group_size`` traces per group (all of a
-    task's when None; a last, smaller group keeps the remainder). Traces yielding no sequence are skipped."""
+    task's when None; a last, smaller group keeps the remainder, marked partial). Traces yielding no sequence
+    are skipped."""
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     by_task: dict[str, list[tuple[Any, list[WireSequence]]]] = {}
@@ -170,7 +164,8 @@ def groups_from_traces(
     out = []
     for key, items in by_task.items():
         size = group_size or len(items)
+        spec = GroupSpec(task=key, group_size=size, env_id=env_id, policy_version=policy_version)
         for i in range(0, len(items), size):
             chunk = items[i : i + size]
-            out.append(_group(key, [t for t, _ in chunk], [s for _, s in chunk], env_id, policy_version))
+            out.append(_group([t for t, _ in chunk], [s for _, s in chunk], spec))
     return out

@@ -3,9 +3,13 @@ groups pushed onto a real redis-server, session bounds, streaming chat, the proc
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import hmac
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,8 +181,9 @@ async def _never(g: RolloutGroup) -> None:
         ({"token_ids": [1] * 1024}, 400, "maximum context length"),
         ({"token_ids": [1, 900]}, 400, "[0, 512)"),
         ({"sampling_params": {"top_k": 5}}, 400, "top_k"),
-        ({"sampling_params": {"max_tokens": -1}}, 422, "max_tokens"),
-        ({"token_ids": []}, 422, "token_ids"),
+        ({"sampling_params": {"max_tokens": -1}}, 400, "sampling_params.max_tokens: Input should be greater"),
+        ({"token_ids": []}, 400, "token_ids: List should have at least 1 item"),
+        ({"token_ids": "abc"}, 400, "token_ids: Input should be a valid list"),
     ],
 )
 async def test_generate_rejects_bad_requests_with_a_reason(
@@ -188,10 +193,29 @@ async def test_generate_rejects_bad_requests_with_a_reason(
     async with http(make_service(hf_student, _never)) as c:
         resp = await c.post("/inference/v1/generate", json=body)
         ok = await c.post("/inference/v1/generate", json=generate_body([1, 3], top_k=-1, max_tokens=2))
-    assert resp.status_code == status and words in resp.text
-    if status != 422:
-        assert resp.json()["error"]["code"] == status
+    assert resp.status_code == status and words in resp.json()["error"]["message"]  # the OpenAI error shape
+    assert resp.json()["error"]["code"] == status and set(resp.json()) == {"error"}
     assert ok.status_code == 200  # neutral values of unsupported options are accepted
+
+
+async def test_a_malformed_body_is_a_400_in_the_openai_shape_naming_the_field(hf_student: HFStudent) -> None:
+    """As vLLM answers it: an OpenAI client (verifiers') raises BadRequestError with the field and the reason."""
+    async with http(make_service(hf_student, _never)) as c:
+        bad = {"content": b"{nope", "headers": {"content-type": "application/json"}}
+        not_json = await c.post("/inference/v1/generate", **bad)  # type: ignore[arg-type]
+        many = await c.post("/inference/v1/generate", json={"token_ids": [1, "x", 2], "sampling_params": {"n": 0}})
+        finish = await c.post("/sessions/s/finish", json={"reward": "high"})
+        huge = await c.post("/inference/v1/generate", json={"model": MODEL, "token_ids": ["x" * 1000] * 5000})
+    assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "BadRequestError"
+    assert "JSON decode error" in not_json.json()["error"]["message"]
+    err = many.json()["error"]
+    assert many.status_code == 400 and err["code"] == 400 and err["param"] == "model"
+    for words in ("model: Field required", "token_ids.1: Input should be a valid integer", "sampling_params.n: Input"):
+        assert words in err["message"]
+    assert finish.status_code == 400 and "task: Field required" in finish.json()["error"]["message"]
+    assert "reward: Input should be a valid number" in finish.json()["error"]["message"]
+    huge_message = huge.json()["error"]["message"]  # bounded: ten errors listed, the values never echoed
+    assert huge.status_code == 400 and huge_message.endswith("; and 4990 more") and len(huge_message) < 1000
 
 
 async def two_turns(c: httpx.AsyncClient, prompt: list[int], sid: str, seed: int) -> list[dict[str, Any]]:
@@ -295,7 +319,7 @@ async def test_finish_answers_unknown_evicted_and_untrainable_rollouts(hf_studen
     assert unknown.status_code == 404 and "no session" in unknown.json()["error"]["message"]
     assert evicted.status_code == 410 and "evicted (ttl)" in evicted.json()["error"]["message"]
     assert skipped.status_code == 200 and skipped.json()["skipped"] == "not trainable"
-    assert missing_task.status_code == 422
+    assert missing_task.status_code == 400 and missing_task.json()["error"]["param"] == "task"
     assert health["sessions"] == 0 and health["untracked_requests"] == 1
 
 
@@ -347,6 +371,34 @@ async def test_incomplete_groups_are_flushed_and_failed_pushes_retried(hf_studen
         await service.maintain()  # retried
     assert len(pushed) == 1 and not service.unsent
     assert pushed[0].metadata is not None and pushed[0].metadata["partial"] is True
+
+
+async def test_groups_whose_push_is_cancelled_at_shutdown_are_pushed_by_close(hf_student: HFStudent) -> None:
+    """The app stopping cancels the maintenance pass mid-push: the group being pushed and the groups flushed
+    with it are still pushed when the service closes."""
+    pushed: list[RolloutGroup] = []
+    entered = asyncio.Event()
+
+    async def sink(g: RolloutGroup) -> None:
+        if not entered.is_set():  # the first push hangs (a slow Redis) until the shutdown cancels it
+            entered.set()
+            await asyncio.Event().wait()
+        pushed.append(g)
+
+    clock = Clock()
+    service = make_service(hf_student, sink, clock, ttl_s=10.0)
+    app = create_app(service, maintain_every_s=0.01)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://student") as c:
+        for sid, task in (("a", "t1"), ("b", "t2"), ("c", "t3")):
+            body = generate_body([1, 3], max_tokens=2)
+            await c.post("/inference/v1/generate", json=body, headers={"X-Session-ID": sid})
+            await c.post(f"/sessions/{sid}/finish", json={"task": task, "group_size": 4})
+    async with app.router.lifespan_context(app):
+        assert len(service.groups) == 3
+        clock.now += 11  # the three groups expire: the next pass flushes them as partial groups
+        await asyncio.wait_for(entered.wait(), 30)
+    assert sorted(g.task_id for g in pushed) == ["t1", "t2", "t3"] and not service.unsent
+    assert all(g.metadata is not None and g.metadata["partial"] for g in pushed)
 
 
 def sse(text: str) -> list[Any]:
@@ -430,30 +482,105 @@ async def test_a_vllm_backend_is_served_with_float32_logprobs(hf_student: HFStud
     assert pushed[0].sequences[0].logprobs.numpy()[-3:].tolist() == lps
 
 
-async def test_an_api_key_is_required_when_configured(hf_student: HFStudent) -> None:
+async def test_an_api_key_is_required_when_configured(
+    hf_student: HFStudent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:  # the constant-time comparison, watched
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr("pipeline.serve.student_app.hmac.compare_digest", compare_digest)
     async with http(make_service(hf_student, _never), api_key="sk-1") as c:
         missing = await c.get("/v1/models")
         wrong = await c.get("/v1/models", headers={"Authorization": "Bearer sk-2"})
+        odd = await c.get("/v1/models", headers={"Authorization": "Bearer sk-\u00e9".encode()})  # not ASCII
         right = await c.get("/v1/models", headers={"Authorization": "Bearer sk-1"})
         health = await c.get("/health")
-    assert missing.status_code == wrong.status_code == 401 and missing.json()["error"]["code"] == 401
+    assert missing.status_code == wrong.status_code == odd.status_code == 401
+    assert missing.json()["error"]["code"] == 401 and odd.json()["error"]["type"] == "AuthenticationError"
     assert right.status_code == 200 and health.status_code == 200
+    assert compared == [(b"", b"Bearer sk-1"), (b"Bearer sk-2", b"Bearer sk-1"),
+                        ("Bearer sk-\u00e9".encode(), b"Bearer sk-1"), (b"Bearer sk-1", b"Bearer sk-1")]  # fmt: skip
 
 
-def test_cli_configuration_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
-
+def student_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_student_arguments(p)
-    assert run_student(p.parse_args(["--backend", "vllm"])) == 2
-    assert run_student(p.parse_args(["--backend", "hf"])) == 2
-    assert run_student(p.parse_args(["--model", "x", "--group-size", "0"])) == 2
-    assert run_student(p.parse_args(["--model", "x", "--api-key-var", "DISTILLQ_TEST_UNSET_VARIABLE"])) == 2
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--backend", "vllm"], "--backend vllm needs --url and --tokenizer"),
+        (["--backend", "hf"], "--backend hf needs --model DIR"),
+        (["--model", "x", "--group-size", "0"], "--group-size must be >= 1"),
+        (["--model", "x", "--max-sessions", "0"], "--max-sessions must be >= 1"),
+        (["--model", "x", "--session-ttl", "0"], "--session-ttl must be a number of seconds > 0"),
+        (["--model", "x", "--session-ttl", "-5"], "--session-ttl must be a number of seconds > 0"),
+        (["--model", "x", "--session-ttl", "nan"], "--session-ttl must be a number of seconds > 0"),
+        (["--model", "x", "--port", "70000"], "--port must be in 0..65535, got 70000"),
+        (["--model", "x", "--metrics-port", "-1"], "--metrics-port must be in 0..65535, got -1"),
+        (["--model", "x", "--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
+        (["--model", "x", "--api-key-var", "DISTILLQ_TEST_UNSET_VARIABLE"], "DISTILLQ_TEST_UNSET_VARIABLE: the"),
+        (["--model", "x", "--redis-url", "http://nope"], "invalid setting redis_url"),
+    ],
+)
+def test_cli_configuration_errors_are_one_line_and_exit_2(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked before a model loads or Redis is contacted (the redis URL here is never reachable)."""
+    from pipeline.ops.cli.main import main as distillq
+
+    url = [] if "--redis-url" in argv else ["--redis-url", "redis://127.0.0.1:9/0"]
+    assert run_student(student_args(*argv, *url)) == 2
+    assert distillq(["serve", "student", *argv, *url]) == 2
+    direct, via_distillq = capsys.readouterr().err.splitlines()  # one line each, the same line
+    assert direct == via_distillq and direct.startswith("distillq: ") and words in direct
+
+
+def test_cli_backend_errors_exit_2_and_an_unreachable_redis_exits_3(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     tok = str(ensure_tiny_models().tokenizer)
-    assert run_student(p.parse_args(["--backend", "vllm", "--url", "http://127.0.0.1:9/v1", "--tokenizer", tok])) == 2
-    err = capsys.readouterr().err
-    assert "--url and --tokenizer" in err and "--model DIR" in err and "--group-size" in err
-    assert "cannot list the models of http://127.0.0.1:9" in err and "DISTILLQ_TEST_UNSET_VARIABLE" in err
+    vllm = ["--backend", "vllm", "--url", "http://127.0.0.1:9/v1", "--tokenizer", tok, "--redis-url", redis_url]
+    assert run_student(student_args(*vllm)) == 2
+    assert run_student(student_args("--model", "/nonexistent/model", "--redis-url", redis_url)) == 2
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    model = str(ensure_tiny_models().student)
+    assert run_student(student_args("--model", model, "--redis-url", f"redis://:secret@127.0.0.1:{closed}/0")) == 3
+    listing, missing, redis_down = capsys.readouterr().err.splitlines()
+    assert listing.startswith("distillq: cannot list the models of http://127.0.0.1:9")
+    assert missing.startswith("distillq: ") and "/nonexistent/model" in missing
+    assert redis_down == f"distillq: cannot reach Redis at redis://:***@127.0.0.1:{closed}/0: Connection refused"
+
+
+async def test_the_vllm_client_is_closed_when_the_server_stops(
+    hf_student: HFStudent, redis_url: str, keys: Keys
+) -> None:
+    from pipeline.rollout.student_vllm import VLLMStudent
+    from pipeline.serve.student_cli import _serve
+
+    failing = httpx.MockTransport(lambda _: httpx.Response(500))
+    backend = VLLMStudent("http://vllm:8000", "student", hf_student.tokenizer, transport=failing)
+    args = student_args("--backend", "vllm", "--url", "http://vllm:8000", "--tokenizer", "tok", "--port", "0",
+                        "--redis-url", redis_url, "--namespace", keys.namespace)  # fmt: skip
+    listening: list[int] = []
+
+    def stop(server: Any) -> None:  # what a SIGTERM does, without signalling the test process
+        listening.append(server.servers[0].sockets[0].getsockname()[1])
+        server.should_exit = True
+
+    config = ServeConfig(served_names=(MODEL,), max_model_len=64)
+    assert await asyncio.wait_for(_serve(args, backend, config, started=stop), 60) == 0
+    assert listening and listening[0] > 0
+    with pytest.raises(RuntimeError, match="client has been closed"):
+        await backend.models()
 
 
 def test_the_process_serves_on_loopback_and_stops_on_sigterm(redis_url: str, tmp_path: Path) -> None:
@@ -506,3 +633,24 @@ def test_trace_records_become_groups_by_task_with_verifiers_branch_rules() -> No
     assert finish_body(failed) == {"task": "k", "reward": 0.5, "trainable": False}
     with pytest.raises(ValueError, match="no task key"):
         groups_from_traces([record("x", "", nodes)])
+
+
+def test_trace_groups_are_the_groups_the_server_builds() -> None:
+    """Same group id and metadata as the server's ``build_group`` for the same rollouts; a remainder smaller
+    than the group size is a partial group, as the server flushes it."""
+    from pipeline.serve.student_sessions import FinishedRollout, GroupSpec, build_group, group_id_for
+    from pipeline.serve.student_verifiers import groups_from_traces, trace_sequences
+
+    nodes = [node(None, [1, 3, 40], [False] * 3, []), node(0, [4, 10, 11], [False, True, True], [-0.1, -0.2])]
+    traces = [record(tid, "k", nodes) for tid in ("b", "a", "c")]
+    full, rest = groups_from_traces(traces, group_size=2, env_id=3, policy_version=7)
+    server = build_group(GroupSpec("k", 2, 3, 7), [FinishedRollout(t["id"], trace_sequences(t)) for t in traces[:2]])
+    assert full.group_id == server.group_id == group_id_for(["a", "b"])
+    assert full.metadata == server.metadata == {"sessions": ["b", "a"], "sequence_sessions": ["b", "a"],
+                                                "partial": False}  # fmt: skip
+    assert (full.env_id, full.policy_version, full.task_id) == (server.env_id, server.policy_version, "k")
+    assert rest.group_id == group_id_for(["c"]) and rest.metadata == {
+        "sessions": ["c"], "sequence_sessions": ["c"], "partial": True
+    }
+    [whole] = groups_from_traces(traces)
+    assert whole.metadata is not None and whole.metadata["partial"] is False
