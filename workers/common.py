@@ -6,18 +6,17 @@ import argparse
 import asyncio
 import os
 import socket
-import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.logs import configure_logging
 from pipeline.stages.worker_main import check_health, run_worker
-from pipeline.transport.connection import mask_url, retry_transient
+from pipeline.transport.connection import redis_error_line, retry_transient
 from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import get_shards, parse_assigned
 
@@ -66,23 +65,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "(env DISTILLQ_SHARDS; default: all)")
 
 
-def _os_reason(exc: BaseException) -> str | None:
-    """The operating system's words for the first socket error in ``exc``'s chain ("Connection refused")."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, ssl.SSLError):  # an OSError whose errno is the TLS library's code, not the OS's
-            return f"TLS: {cur}"
-        if isinstance(cur, OSError):
-            if isinstance(cur.errno, int) and cur.errno > 0:
-                return os.strerror(cur.errno)
-            if cur.strerror:
-                return str(cur.strerror)
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
 def one_of(*options: str) -> Callable[[str], str]:
     """An argparse ``type`` accepting ``options`` only. Unlike ``choices=``, argparse also applies it to a
     string default, so a bad value from the environment (``DISTILLQ_TEACHER_ROWS=bogus``) is a usage error."""
@@ -110,21 +92,6 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
     parse.__name__ = "integer"
     return parse
-
-
-def redis_error_line(exc: BaseException, url: str | None) -> str:
-    """One line for a Redis failure, any password in ``url`` masked: ``cannot reach Redis at URL: Connection
-    refused``, ``Redis at URL refused the credentials: ...``, ``Redis at URL replied with an error: ...``."""
-    where = f" at {mask_url(url)}" if url else ""
-    if isinstance(exc, AuthenticationError):
-        return f"Redis{where} refused the credentials: {str(exc).rstrip('.')}"
-    if isinstance(exc, ResponseError):
-        return f"Redis{where} replied with an error: {exc}"
-    reason = _os_reason(exc)
-    if reason is None:
-        text = str(exc).split(": Error ")[0] if isinstance(exc, RedisClusterException) else str(exc)
-        reason = text.rstrip(".") or type(exc).__name__
-    return f"cannot reach Redis{where}: {reason}"
 
 
 async def shard_plan(

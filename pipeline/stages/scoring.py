@@ -4,7 +4,8 @@ Rules (the reference system's, made explicit):
 
 * ``group.discard`` -> SKIPPED ``discarded``; never sent to the teacher.
 * ``group_overrides.skip_teacher_top_k`` true -> SKIPPED ``skip_teacher_top_k``.
-* ``group_overrides.teacher_top_k <= -1`` -> SKIPPED ``teacher_top_k=-1: no teacher`` (the Atropos rule).
+* ``group_overrides.teacher_top_k <= -1`` -> SKIPPED ``teacher_top_k=-1: no teacher`` (the Atropos rule;
+  ``schemas.build.no_teacher_reason``, shared with the Atropos conversion).
 * k = ``group_overrides.teacher_top_k`` if present (0 raised to 1), else ``default_k``. Above the
   teacher's cap: ``k_over_cap="clamp"`` uses the cap (recorded in ``ScoredGroup.k``), ``"drop"`` drops
   the group's payload with reason ``k_over_cap: ...``.
@@ -50,14 +51,13 @@ from pipeline.teacher.base import (
     plan_chunks,
     result_problem,
 )
-from schemas.build import make_teacher, trained_rows
+from schemas.build import make_teacher, no_teacher_reason, trained_rows
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
 from schemas.validate import DecodeError, Limits, validate_teacher_part
 
 log = structlog.get_logger(__name__)
 
 SKIP_REASON = "skip_teacher_top_k"
-NO_TEACHER_REASON = "teacher_top_k=-1: no teacher"
 DISCARD_REASON = "discarded"
 
 
@@ -164,12 +164,6 @@ def _request(seq: Sequence, k: int, all_rows: bool) -> ScoreRequest:
     return ScoreRequest(arr, k, None if all_rows else trained_rows(seq))
 
 
-def _no_teacher(group: RolloutGroup) -> bool:
-    """``teacher_top_k`` of -1 or below: the group asks for no teacher at all."""
-    raw = group.overrides.get("teacher_top_k")
-    return isinstance(raw, int) and not isinstance(raw, bool) and raw <= -1
-
-
 def _failure_reason(f: ScoreFailure) -> str:
     if f.reason.startswith((MISALIGNED, K_OVER_CAP)):
         return f.reason
@@ -224,8 +218,8 @@ class Scorer:
                 done[g] = (DistillStatus.SKIPPED, DISCARD_REASON)
             elif group.overrides.get(SKIP_REASON):
                 done[g] = (DistillStatus.SKIPPED, SKIP_REASON)
-            elif _no_teacher(group):
-                done[g] = (DistillStatus.SKIPPED, NO_TEACHER_REASON)
+            elif (no_teacher := no_teacher_reason(group.group_overrides)) is not None:
+                done[g] = (DistillStatus.SKIPPED, no_teacher)
             else:
                 ks[g], drop = self.group_k(group)
                 if drop is not None:

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ClusterDownError, MasterDownError, TryAgainError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -164,3 +174,35 @@ async def retry_transient(
             if on_error is not None:
                 on_error(e, delay)
             await asyncio.sleep(delay)
+
+
+def _os_reason(exc: BaseException) -> str | None:
+    """The operating system's words for the first socket error in ``exc``'s chain ("Connection refused")."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ssl.SSLError):  # an OSError whose errno is the TLS library's code, not the OS's
+            return f"TLS: {cur}"
+        if isinstance(cur, OSError):
+            if isinstance(cur.errno, int) and cur.errno > 0:
+                return os.strerror(cur.errno)
+            if cur.strerror:
+                return str(cur.strerror)
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def redis_error_line(exc: BaseException, url: str | None) -> str:
+    """One line for a Redis failure, any password in ``url`` masked: ``cannot reach Redis at URL: Connection
+    refused``, ``Redis at URL refused the credentials: ...``, ``Redis at URL replied with an error: ...``."""
+    where = f" at {mask_url(url)}" if url else ""
+    if isinstance(exc, AuthenticationError):
+        return f"Redis{where} refused the credentials: {str(exc).rstrip('.')}"
+    if isinstance(exc, ResponseError):
+        return f"Redis{where} replied with an error: {exc}"
+    reason = _os_reason(exc)
+    if reason is None:
+        text = str(exc).split(": Error ")[0] if isinstance(exc, RedisClusterException) else str(exc)
+        reason = text.rstrip(".") or type(exc).__name__
+    return f"cannot reach Redis{where}: {reason}"

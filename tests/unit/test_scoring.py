@@ -112,8 +112,8 @@ async def test_k_rules_and_payload_shapes() -> None:
     out, _ = await run(groups, teacher, default_k=8)
     assert [s.group_id for s in out] == [g.group_id for g in groups]
     assert [s.k for s in out[:3] + out[4:5]] == [8, 5, 1, 8]
-    for s in (out[3], out[5]):  # teacher_top_k <= -1: no teacher at all, never sent
-        assert s.status is DistillStatus.SKIPPED and s.reason == "teacher_top_k=-1: no teacher" and s.teacher is None
+    for s, k in ((out[3], -3), (out[5], -1)):  # teacher_top_k <= -1: no teacher at all, never sent
+        assert s.status is DistillStatus.SKIPPED and s.reason == f"teacher_top_k={k}: no teacher" and s.teacher is None
     assert not {400, 600} & set(teacher.sent_first_tokens())
     for s, g in zip(out[:3] + out[4:5], groups[:3] + groups[4:5], strict=True):
         assert s.status is DistillStatus.OK and s.teacher_id == "fake-teacher" and s.scored_at > 0

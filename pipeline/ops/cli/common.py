@@ -16,9 +16,9 @@ from rich.console import Console
 
 from pipeline.config import RedisSettings, add_redis_args, redis_settings_from_args
 from pipeline.ops.cli.errors import EXIT_REDIS, EXIT_USAGE, CliError
-from pipeline.transport.connection import connect
+from pipeline.transport.connection import connect, redis_error_line
 from pipeline.transport.keys import STREAMS, Keys
-from workers.common import HelpFormatter, redis_error_line
+from workers.common import HelpFormatter
 
 T = TypeVar("T")
 

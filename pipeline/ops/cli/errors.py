@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from workers.common import redis_error_line
+from pipeline.transport.connection import redis_error_line
 
 #: Exit statuses every command shares (docs/cli.md, "Exit status").
 EXIT_FAILED: Final = 1  # the command ran and reports a failure: bad lines, nothing to do, refused

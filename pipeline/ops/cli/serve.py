@@ -6,8 +6,8 @@
 ``atropos``: the Atropos API (``pipeline.serve.atropos_app``): environments POST scored groups, which go
 onto ``rollouts`` for the teacher workers; trainers GET ``/batch`` and receive the scored groups with
 ``distill_token_ids``/``distill_logprobs`` filled. Every server is one ``add_<server>`` function below,
-listed in ``SERVERS``. ``python -m pipeline.ops.cli.serve SERVER ...`` runs one without the ``distillq``
-entry point.
+listed in ``SERVERS``. ``python -m pipeline.ops.cli.main serve SERVER ...`` is the same without the
+console script.
 
 ``student``: the verifiers-compatible student endpoint (``pipeline.serve.student_app``): verifiers' train
 client generates through it, one tracker per ``X-Session-ID`` records each rollout, and finished rollouts
@@ -17,13 +17,11 @@ of a task are pushed onto ``rollouts`` as a group.
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import structlog
 
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
-from pipeline.logs import configure_logging
 from pipeline.ops.cli.common import add_command, env_default
 
 
@@ -49,11 +47,13 @@ def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run_atropos(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pipeline.ops.cli.common import ensure_reachable, run
     from pipeline.serve.atropos_app import create_app
     from pipeline.serve.atropos_server import ServeConfig
 
     cfg = ServeConfig(redis=redis_settings_from_args(args), streams=StreamSettings(), lease_s=args.lease_s,
                       consumer_name=args.consumer_name, gzip_level=args.gzip_level)
+    run(ensure_reachable(cfg.redis))  # Redis away: one line and exit status 3, not a traceback after retries
     structlog.get_logger("distillq.serve.atropos").info("atropos_listening", url=f"http://{args.host}:{args.port}",
                                                         namespace=cfg.redis.namespace)
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, access_log=args.access_log, log_config=None,
@@ -81,19 +81,3 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     servers = p.add_subparsers(dest="server", required=True, metavar="SERVER")
     for add in SERVERS:
         add(servers)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.ops.cli.serve")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
-    servers = parser.add_subparsers(dest="server", required=True, metavar="SERVER")
-    for add in SERVERS:
-        add(servers)
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    code: int = args.func(args)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
