@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 
 from pipeline.config import RedisSettings, add_redis_args, redis_settings_from_args
-from pipeline.ops.cli.errors import EXIT_REDIS, EXIT_USAGE, CliError
+from pipeline.ops.cli.errors import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
 from pipeline.transport.connection import connect, redis_error_line
 from pipeline.transport.keys import STREAMS, Keys
 from workers.common import HelpFormatter
@@ -23,7 +23,7 @@ from workers.common import HelpFormatter
 T = TypeVar("T")
 
 __all__ = ["add_command", "add_redis_args", "ensure_reachable", "env_default", "make_console", "namespace_keys",
-           "read_input", "redis_settings_from_args", "run", "stream_name", "with_redis"]
+           "read_input", "redis_settings_from_args", "report_bad_lines", "run", "stream_name", "with_redis"]
 
 #: Columns for rich output that goes to a file or a pipe: wide enough that tables and lines never wrap.
 PLAIN_WIDTH = 10_000
@@ -106,3 +106,14 @@ def run(coro: Awaitable[T]) -> T:
 
 def env_default(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"DISTILLQ_{name}", default)
+
+
+def report_bad_lines(file: str, errors: list[str], what: str) -> int:
+    """Every bad line of ``file`` on stderr, then ``nothing <what>: N bad line(s)``; the exit status."""
+    from rich.markup import escape
+
+    err = make_console(stderr=True)
+    for e in errors:
+        err.print(f"[red]error[/red] {escape(f'{file}: {e}')}", highlight=False)
+    err.print(f"nothing {what}: {len(errors)} bad line(s)", highlight=False)
+    return EXIT_FAILED

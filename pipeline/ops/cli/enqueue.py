@@ -11,16 +11,15 @@ import sys
 from pathlib import Path
 
 import msgspec
-from rich.markup import escape
 
 from pipeline.ops.cli.common import (
     add_command,
     add_redis_args,
     ensure_reachable,
-    make_console,
     namespace_keys,
     read_input,
     redis_settings_from_args,
+    report_bad_lines,
     run,
 )
 from pipeline.ops.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
@@ -61,11 +60,7 @@ def parse_prompts(lines: list[str]) -> tuple[list[PromptJob], list[str]]:
 def main(args: argparse.Namespace) -> int:
     jobs, errors = parse_prompts(read_input(args.file).splitlines())
     if errors:
-        err = make_console(stderr=True)
-        for e in errors:
-            err.print(f"[red]error[/red] {escape(f'{args.file}: {e}')}", highlight=False)
-        err.print(f"nothing enqueued: {len(errors)} bad line(s)", highlight=False)
-        return EXIT_FAILED
+        return report_bad_lines(args.file, errors, "enqueued")
     if not jobs:
         raise CliError(f"no prompts in {args.file}; nothing enqueued", EXIT_FAILED)
     rs = redis_settings_from_args(args)

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Final
 
 import redis.asyncio as aioredis
-from rich.markup import escape
 
 from pipeline.config import StreamSettings
-from pipeline.ops.cli.common import add_command, add_redis_args, make_console, read_input, run, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, read_input, report_bad_lines, run, with_redis
 from pipeline.ops.cli.errors import EXIT_FAILED, CliError
 from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, StreamProducer
@@ -104,11 +103,7 @@ async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Me
 def main(args: argparse.Namespace) -> int:
     msgs, errors = parse_file(read_input(args.file).splitlines(), args.stream, args.policy_version)
     if errors:
-        err = make_console(stderr=True)
-        for e in errors:
-            err.print(f"[red]error[/red] {escape(f'{args.file}: {e}')}", highlight=False)
-        err.print(f"nothing pushed: {len(errors)} bad line(s)", highlight=False)
-        return EXIT_FAILED
+        return report_bad_lines(args.file, errors, "pushed")
     if not msgs:
         raise CliError(f"no groups in {args.file}; nothing pushed", EXIT_FAILED)
     added, dup = run(with_redis(args, lambda r, k: push_all(r, k, args.stream, msgs)))
