@@ -55,7 +55,7 @@ from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPa
 from schemas.validate import DecodeError, Limits, validate
 
 __all__ = ["ATROPOS_KEYS", "DERIVED_PREFIX", "MASKED", "MASKED_LOGPROB", "STASH", "content_group_id",
-           "rollout_from_atropos", "to_atropos"]
+           "rollout_from_atropos", "rollout_group_from_atropos", "to_atropos"]
 
 #: The prefix of a group id derived from the group's content (``content_group_id``).
 DERIVED_PREFIX = "sha256-"
@@ -312,6 +312,22 @@ def rollout_from_atropos(
         raise DecodeError(_rename(e.field), e.reason) from None
     except (ValueError, TypeError, IndexError, KeyError, OverflowError, AttributeError) as e:  # defensive
         raise DecodeError("group", f"invalid: {type(e).__name__}: {e}") from None
+    return msg
+
+
+def rollout_group_from_atropos(
+    obj: dict[str, Any],
+    *,
+    group_id: str | None = None,
+    policy_version: int = 0,
+    limits: Limits | None = None,
+) -> RolloutGroup:
+    """The rollout group of one ScoredDataGroup, for the teacher workers to score: its distill arrays are
+    left out before converting (never parsed), everything else as ``rollout_from_atropos`` (validated; an
+    id derived from the rest of the content when none is given)."""
+    rollout = {k: v for k, v in obj.items() if k not in ("distill_token_ids", "distill_logprobs")}
+    msg = rollout_from_atropos(rollout, group_id=group_id, policy_version=policy_version, limits=limits)
+    assert isinstance(msg, RolloutGroup)  # without distill arrays the conversion gives a rollout group
     return msg
 
 

@@ -32,8 +32,8 @@ from pipeline.serve.atropos_state import AtroposState, BufferedGroup, Trainer, e
 from pipeline.transport.consumer import dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_ID, F_TYPE, AddResult, StreamProducer
-from schemas import Limits, RolloutGroup, ScoredGroup, decode, encode
-from schemas.atropos import rollout_from_atropos
+from schemas import Limits, RolloutGroup, decode, encode
+from schemas.atropos import rollout_group_from_atropos
 
 log = structlog.get_logger("distillq.serve.atropos")
 
@@ -43,9 +43,7 @@ _JSON: Final = msgspec.json.Encoder()
 
 def convert(posted: dict[str, Any], group_id: str | None, policy_version: int, limits: Limits) -> RolloutGroup:
     """The rollout group for a posted ScoredDataGroup (its distill arrays left for the teacher to redo)."""
-    obj = {k: v for k, v in posted.items() if k not in ("distill_token_ids", "distill_logprobs")}
-    msg = rollout_from_atropos(obj, group_id=group_id, policy_version=policy_version, limits=limits)
-    return msg.group if isinstance(msg, ScoredGroup) else msg
+    return rollout_group_from_atropos(posted, group_id=group_id, policy_version=policy_version, limits=limits)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,8 @@ from pipeline.transport.connection import connect
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import Added, StreamProducer
 from pipeline.transport.sharding import get_shards
-from schemas import Limits, RolloutGroup, ScoredGroup
-from schemas.atropos import rollout_from_atropos
+from schemas import Limits, RolloutGroup
+from schemas.atropos import rollout_group_from_atropos
 from schemas.validate import validate
 
 
@@ -50,6 +50,10 @@ class AsyncGroupProducer:
     async def push(self, group: RolloutGroup) -> Added:
         """Validate and add one group (raises ``schemas.DecodeError`` naming the bad field)."""
         validate(group, self.limits)
+        return await self._send(group)
+
+    async def _send(self, group: RolloutGroup) -> Added:
+        """Add one group already validated under ``self.limits``."""
         if not self._shards_known:
             self.producer.shards = await get_shards(self.redis, self._keys)
             self._shards_known = True
@@ -57,9 +61,8 @@ class AsyncGroupProducer:
 
     async def push_atropos(self, obj: dict[str, Any], *, policy_version: int = 0) -> Added:
         """Convert and add one ScoredDataGroup dict; without ``group_id`` its id is ``content_group_id(obj)``
-        (derived by ``rollout_from_atropos``), so a retried push is the same group."""
-        msg = rollout_from_atropos(obj, policy_version=policy_version)
-        return await self.push(msg.group if isinstance(msg, ScoredGroup) else msg)
+        (derived by ``rollout_group_from_atropos``), so a retried push is the same group."""
+        return await self._send(rollout_group_from_atropos(obj, policy_version=policy_version, limits=self.limits))
 
     async def aclose(self) -> None:
         if self._own:

@@ -23,7 +23,7 @@ from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, StreamProducer
 from pipeline.transport.sharding import get_shards
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
-from schemas.atropos import content_group_id, rollout_from_atropos
+from schemas.atropos import rollout_from_atropos
 
 #: The streams groups can be pushed onto, and who writes the others.
 PUSHABLE: Final = ("rollouts", "scored")
@@ -68,8 +68,7 @@ def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list
             obj = json.loads(line)
             if not isinstance(obj, dict):
                 raise DecodeError("line", f"expected a JSON object, got {type(obj).__name__}")
-            gid = None if obj.get("group_id") else content_group_id(obj)
-            msg = rollout_from_atropos(obj, group_id=gid, policy_version=policy_version)
+            msg = rollout_from_atropos(obj, policy_version=policy_version)  # no group_id: content_group_id(obj)
         except json.JSONDecodeError as e:
             errors.append(f"line {n}: invalid JSON: {e.msg} at column {e.colno}")
             continue
