@@ -23,7 +23,8 @@ from workers.common import HelpFormatter
 T = TypeVar("T")
 
 __all__ = ["add_command", "add_redis_args", "ensure_reachable", "env_default", "make_console", "namespace_keys",
-           "read_input", "redis_settings_from_args", "report_bad_lines", "run", "stream_name", "with_redis"]
+           "read_input", "redis_settings_from_args", "report_bad_lines", "run", "run_output", "stream_name",
+           "with_redis"]
 
 #: Columns for rich output that goes to a file or a pipe: wide enough that tables and lines never wrap.
 PLAIN_WIDTH = 10_000
@@ -102,6 +103,18 @@ async def ensure_reachable(settings: RedisSettings, url: str | None = None) -> N
 
 def run(coro: Awaitable[T]) -> T:
     return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def run_output(coro: Awaitable[int]) -> int:
+    """``run`` for a command that prints as it goes (``tail``, ``stats``): Ctrl-C and a reader that closed the
+    pipe (``| head``) end it quietly with status 0."""
+    try:
+        return run(coro)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0
 
 
 def env_default(name: str, default: str | None = None) -> str | None:

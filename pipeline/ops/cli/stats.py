@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 
 import redis.asyncio as aioredis
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.ops.cli.common import add_command, add_redis_args, make_console, run, stream_name, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, make_console, run_output, stream_name, with_redis
 from pipeline.ops.streamstats import Snapshot, collect, with_rates
 from pipeline.transport.keys import STREAMS, Keys
 
@@ -152,10 +151,4 @@ async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, cons
 def main(args: argparse.Namespace) -> int:
     console = make_console()
     fn = once if args.watch is None else watch
-    try:
-        return run(with_redis(args, lambda r, k: fn(r, k, args, console)))
-    except KeyboardInterrupt:
-        return 0
-    except BrokenPipeError:
-        sys.stderr.close()
-        return 0
+    return run_output(with_redis(args, lambda r, k: fn(r, k, args, console)))

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from pipeline.ops.cli.common import add_command, add_redis_args, env_default, run, stream_name, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, env_default, run_output, stream_name, with_redis
 from pipeline.ops.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
 from pipeline.transport.consumer import resolve_payloads
 from pipeline.transport.keys import Keys
@@ -162,10 +162,4 @@ def main(args: argparse.Namespace) -> int:
             print(f"tail: {loaded}", file=sys.stderr)
             return 2
         tokenizer = loaded
-    try:
-        return run(with_redis(args, lambda r, k: tail(r, k, args, tokenizer)))
-    except KeyboardInterrupt:
-        return 0
-    except BrokenPipeError:
-        sys.stderr.close()
-        return 0
+    return run_output(with_redis(args, lambda r, k: tail(r, k, args, tokenizer)))
