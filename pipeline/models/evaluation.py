@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from pipeline.models.kvcache import output_cache, with_cache
+
 
 @torch.inference_mode()
 def sample_completion(
@@ -22,8 +24,8 @@ def sample_completion(
     past = None
     step_input = ids
     for _ in range(max_new):
-        res = model(step_input, past_key_values=past, use_cache=True)
-        past = res.past_key_values
+        res = model(step_input, **with_cache(model, past), use_cache=True)
+        past = output_cache(res)
         probs = torch.softmax(res.logits[0, -1].float(), -1)
         tok = int(torch.multinomial(probs, 1, generator=gen))
         out.append(tok)

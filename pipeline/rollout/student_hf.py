@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeline.models.kvcache import output_cache, with_cache
 from pipeline.rollout.student_base import Completion, check_request
 
 
@@ -129,5 +130,5 @@ class HFStudent:
                         active.discard(i)
                 if not active or step == max_tokens - 1:
                     break
-                out = self.model(input_ids=nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+                out = self.model(input_ids=nxt[:, None], **with_cache(self.model, output_cache(out)), use_cache=True)
         return [Completion(t, lp, f) for t, lp, f in zip(tokens, lps, finish, strict=True)]

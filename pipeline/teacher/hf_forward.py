@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from pipeline.models.kvcache import output_cache, with_cache
 from pipeline.teacher.base import ScoreResult
 
 #: Per-layer (keys, values) of a prefix, ``[1, heads, p, head_dim]`` each.
@@ -170,7 +171,7 @@ class Forward:
         out = self.model.get_decoder()(input_ids=self._to(tokens.astype(np.int64))[None], use_cache=True)
         self.counters.tokens_computed += int(tokens.shape[0])
         self.counters.forward_calls += 1
-        kv = _kv_pairs(out.past_key_values)
+        kv = _kv_pairs(output_cache(out))
         return None if kv is None else (out.last_hidden_state[0], kv)
 
     def continuation(self, jobs: list[Job], p: int, prefix_hidden: torch.Tensor, kv: KV) -> list[ScoreResult]:
@@ -184,11 +185,12 @@ class Forward:
         positions = self._to(np.broadcast_to(np.arange(p, p + width, dtype=np.int64), (b, width)).copy())
         cache = DynamicCache([(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)) for k, v in kv],
                              config=self.model.config)  # fmt: skip
-        out = self.model.get_decoder()(
+        decoder = self.model.get_decoder()
+        out = decoder(
             input_ids=self._to(ids),
             attention_mask=self._to(full_mask),
             position_ids=positions,
-            past_key_values=cache,
+            **with_cache(decoder, cache),
             use_cache=True,
         )
         self.counters.tokens_computed += int(mask.sum())
