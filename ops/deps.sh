@@ -19,14 +19,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 venv=".venv-deps-$mode"
 extras=$(python3 -c "import tomllib; print(','.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']))")
 rm -rf "$venv" && python3 -m venv "$venv" || exit 1
-pip=("$venv/bin/python" -m pip install -q)
+pip=("$venv/bin/python" -m pip install)
 case "$mode" in
   lock) [ "$keep" = "--keep" ] && pip+=(-c constraints.txt) ;;
   floor) "$venv/bin/python" ops/deps.py floor > "$venv/floor.txt" && pip+=(-c "$venv/floor.txt")
          echo "floor pins: $(tr '\n' ' ' < "$venv/floor.txt")" ;;
 esac
-if ! "${pip[@]}" -e ".[$extras]"; then
-  echo "deps $mode: the install failed (the allowed ranges cannot be installed together)"
+if ! "${pip[@]}" -e ".[$extras]" > "$venv/install.log" 2>&1; then
+  echo "deps $mode: the install failed (the allowed ranges cannot be installed together):"
+  grep -vE "^(WARNING: Location|Requirement already|  )" "$venv/install.log" | grep -A12 -E "conflict|ERROR" | head -30
   [ "$mode" = lock ] && exit 1 || exit 0
 fi
 echo "deps $mode: versions that differ from constraints.txt"

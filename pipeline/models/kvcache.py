@@ -17,14 +17,15 @@ OLD_NAME = "past_key_values"
 
 
 @cache
-def _argument_name(forward_type: type) -> str:
-    params = inspect.signature(forward_type.forward).parameters
+def _argument_name(model_type: Any) -> str:
+    params = inspect.signature(model_type.forward).parameters
     return NEW_NAME if NEW_NAME in params else OLD_NAME
 
 
 def cache_argument(model: Any) -> str:
     """The keyword under which ``model``'s forward takes a key/value cache: ``cache`` or ``past_key_values``."""
-    return _argument_name(type(model))
+    model_type: Any = type(model)
+    return _argument_name(model_type)
 
 
 def with_cache(model: Any, kv: Any) -> dict[str, Any]:
