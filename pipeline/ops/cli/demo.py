@@ -50,11 +50,16 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _embedded(why: str | None = None) -> EmbeddedRedis:
+def _embedded(missing: str | None = None) -> EmbeddedRedis:
+    """An embedded Redis, started; ``missing``: what to say when no server binary is found."""
     try:
-        return EmbeddedRedis().start()
-    except RuntimeError as e:  # no server binary, or it would not start
-        raise CliError(f"{why}; and {e}" if why else str(e), EXIT_FAILED) from e
+        server = EmbeddedRedis()
+    except RuntimeError as e:  # no server binary
+        raise CliError(missing or str(e), EXIT_FAILED) from e
+    try:
+        return server.start()
+    except RuntimeError as e:
+        raise CliError(f"{e} ({server.binary})", EXIT_FAILED) from e
 
 
 def prepare_redis(settings: RedisSettings, console: Console, *, jobs_embedded: bool) -> None:
@@ -100,8 +105,8 @@ def start_redis(args: argparse.Namespace, namespace: str, console: Console,
         console.print(f"using Redis at {mask_url(url)}")
         run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
         if is_cluster_url(url) and not jobs_url:
-            servers.append(_embedded("the rollout job queue (arq) cannot use Redis Cluster: set "
-                                     "DISTILLQ_JOBS_REDIS_URL to a single Redis"))
+            servers.append(_embedded("the rollout job queue (arq) cannot use Redis Cluster and no redis-server "
+                                     "was found to run it here: set DISTILLQ_JOBS_REDIS_URL to a single Redis"))
             jobs_url, jobs_embedded = servers[-1].url, True
             console.print(f"rollout job queue (arq, which cannot use Redis Cluster) on an embedded Redis at "
                           f"{jobs_url}; set DISTILLQ_JOBS_REDIS_URL to use another")
