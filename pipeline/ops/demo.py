@@ -106,13 +106,11 @@ async def live_workers(settings: RedisSettings, keys: Keys) -> int:
         await r.aclose()
 
 
-async def clear_namespace(settings: RedisSettings, keys: Keys, *, jobs: bool = True, streams: bool = True) -> int:
-    """Delete the keys an earlier run left under ``keys``' namespace: on ``settings.redis_url`` (``streams``) and
-    on the job queue's Redis (``jobs``; the same one unless ``jobs_redis_url``). Returns how many."""
-    targets: list[tuple[str, list[str]]] = []
+async def clear_namespace(settings: RedisSettings, keys: Keys, *, jobs: bool = True) -> int:
+    """Delete the keys an earlier run left under ``keys``' namespace: on ``settings.redis_url`` and, with ``jobs``,
+    on the job queue's Redis (the same one unless ``jobs_redis_url``). Returns how many."""
     ns = keys.namespace
-    if streams:
-        targets.append((settings.redis_url, [f"{{{ns}:*", f"{ns}:*"]))
+    targets: list[tuple[str, list[str]]] = [(settings.redis_url, [f"{{{ns}:*", f"{ns}:*"])]
     if jobs:
         url = settings.jobs_redis_url or settings.redis_url
         found = next((t for t in targets if t[0] == url), None)
