@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipeline.config import RedisSettings
+from pipeline.learner.checkpoint import OPTIMIZER_FILE
 from pipeline.models.tinymodels import arithmetic_problem
 from pipeline.models.weights import WEIGHTS_FILE
 from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
@@ -94,7 +95,8 @@ def clear_outputs(out: Path) -> list[str]:
 
 
 def can_resume(out: Path) -> bool:
-    return (out / "weights" / WEIGHTS_FILE).exists()
+    """Whether ``out`` holds a learner checkpoint to go on from: published weights and the optimizer's state."""
+    return all((out / "weights" / name).exists() for name in (WEIGHTS_FILE, OPTIMIZER_FILE))
 
 
 async def live_workers(settings: RedisSettings, keys: Keys) -> int:

@@ -266,3 +266,11 @@ def test_demo_on_the_cluster_says_what_to_set(cluster: LocalCluster, tmp_path: P
         assert proc.returncode == status, proc.stderr
         assert proc.stderr.strip().splitlines()[-1] == line
         assert "Traceback" not in proc.stderr
+    base = {k: v for k, v in os.environ.items() if k != "DISTILLQ_JOBS_REDIS_URL"}
+    worker = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "worker", "rollout", "--redis-url",
+                             cluster.url, "--backend", "hf", "--model", str(tmp_path / "no-model")], env=base,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert worker.returncode == 1
+    assert worker.stderr.strip().splitlines() == [
+        "distillq worker rollout: the rollout job queue (arq) cannot use Redis Cluster: set DISTILLQ_JOBS_REDIS_URL "
+        "to a single Redis (the stage streams stay on the cluster)"]

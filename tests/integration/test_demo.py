@@ -70,4 +70,5 @@ def test_resume_without_an_earlier_run_says_so(tmp_path: Path) -> None:
                            str(tmp_path / "none")], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"distillq: nothing to resume in {tmp_path / 'none'}: no weights from an earlier run (run without --resume)"]
+        f"distillq: nothing to resume in {tmp_path / 'none'}: no learner checkpoint (weights and optimizer state) "
+        "from an earlier run; run without --resume"]

@@ -134,8 +134,8 @@ def main(args: argparse.Namespace) -> int:
     servers: list[EmbeddedRedis] = []
     try:
         if args.resume and not can_resume(args.out):
-            raise CliError(f"nothing to resume in {args.out}: no weights from an earlier run (run without --resume)",
-                           EXIT_USAGE)
+            raise CliError(f"nothing to resume in {args.out}: no learner checkpoint (weights and optimizer state) from "
+                           "an earlier run; run without --resume", EXIT_USAGE)
         namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
         url, jobs_url = start_redis(args, namespace, console, servers)
         prepare_out(args, console)
