@@ -17,7 +17,7 @@ from pipeline.rollout.rewards import get_reward, reward_names
 from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.student_base import GenParams, StudentBackend
 from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name
-from pipeline.transport.jobs import JobStats, PromptJob, build_worker, run_worker_until
+from pipeline.transport.jobs import JobStats, PromptJob, arq_settings, build_worker, run_worker_until
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from workers.common import add_common_args, env, one_of, run_stage, shard_plan, standalone, stream_settings
@@ -128,6 +128,11 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.check:
+        try:
+            arq_settings(redis_settings_from_args(args))  # before a model loads: one line, not a traceback
+        except ValueError as e:  # a Cluster URL for the job queue
+            raise SystemExit(f"distillq worker rollout: {e}") from None
     return run_stage("rollout", args, serve)
 
 

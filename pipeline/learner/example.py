@@ -9,9 +9,11 @@ Per step: read a batch (``pipeline.learner.client.Learner``), ``to_torch`` it, a
   + kd_weight * top-k forward KL to the teacher (with a tail bucket)
 
 then ack the batch, and every ``sync_every`` steps publish the weights (safetensors) and the new
-policy version, which rollout workers pick up. Each step's figures go to ``--metrics-file`` (JSONL),
-including the batch's sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to
-the teacher on held-out prompts.
+policy version, which rollout workers pick up, with the optimizer's state beside them
+(``pipeline.learner.checkpoint``): started on a weights directory that holds published weights, the
+learner goes on from them (weights, policy version, optimizer state and step count). Each step's figures
+go to ``--metrics-file`` (JSONL), including the batch's sampled reverse KL and, every ``eval_every``
+steps, the exact reverse KL to the teacher on held-out prompts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import structlog
 import torch
 
+from pipeline.learner.checkpoint import load_optimizer, save_optimizer
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
@@ -88,17 +91,14 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
         return kl
 
     with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
-        resumed = load_weights(student, cfg.weights_dir)  # a restarted learner continues from what it published
-        version = resumed if resumed is not None else max(learner.policy_version(), 0)
-        if resumed is None:
-            save_weights(student, cfg.weights_dir, version)
-        learner.publish_policy_version(version)
-        rec0: dict[str, float] = {"step": 0.0, "policy_version": float(version)}
+        version, first = start_or_resume(student, opt, learner, cfg.weights_dir)
+        rec0: dict[str, float] = {"step": float(first), "policy_version": float(version)}
         if teacher is not None:
-            rec0["heldout_reverse_kl"] = evaluate(0)
+            rec0["heldout_reverse_kl"] = evaluate(first)
         _emit(rec0, history, out, on_step)
         student.train()
-        for step in range(1, cfg.steps + 1):
+        last = first + cfg.steps
+        for step in range(first + 1, last + 1):
             b = learner.next_batch(cfg.batch_timeout_s)
             if b is None:
                 log.warning("no_batch", waited_s=cfg.batch_timeout_s, step=step)
@@ -108,6 +108,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             learner.ack(b)  # after the optimiser step: a crash before this redelivers the batch
             if step % cfg.sync_every == 0:
                 version += 1
+                save_optimizer(opt, cfg.weights_dir, version=version, step=step)  # before the weights it matches
                 save_weights(student, cfg.weights_dir, version)
                 learner.publish_policy_version(version)
             stats = b.batch.stats or {}
@@ -117,12 +118,29 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
                 "groups": stats.get("groups", 0.0), "policy_version": float(version),
                 "batch_policy_version": float(b.batch.policy_version), "step_s": time.perf_counter() - t0,
             }
-            if teacher is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if teacher is not None and (step % cfg.eval_every == 0 or step == last):
                 rec["heldout_reverse_kl"] = evaluate(step)
             _emit(rec, history, out, on_step)
     if out is not None:
         out.close()
     return history
+
+
+def start_or_resume(student: Any, opt: torch.optim.Optimizer, learner: Learner, weights_dir: str) -> tuple[int, int]:
+    """(policy version, step) to go on from, published. A learner restarted on published weights continues from
+    them: weights, policy version, optimizer state and step; else the student's weights are published under the
+    current version (0 if none)."""
+    resumed = load_weights(student, weights_dir)
+    version = resumed if resumed is not None else max(learner.policy_version(), 0)
+    first = 0
+    if resumed is None:
+        save_weights(student, weights_dir, version)
+    else:
+        restored = load_optimizer(opt, weights_dir, version=version)
+        first = restored.step if restored is not None else 0
+        log.info("resumed", policy_version=version, step=first, optimizer_state=restored is not None)
+    learner.publish_policy_version(version)
+    return version, first
 
 
 def optimiser_step(

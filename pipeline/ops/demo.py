@@ -4,6 +4,11 @@ Steps: build the tiny models (cached), train the teacher briefly on the arithmet
 prompts, start a rollout worker (hf student, reloading the weights the learner publishes), a
 teacher worker, the feeder and the example learner, show progress, then stop everything and report
 groups/s per stage, drops by reason and reverse KL start -> end, with a PNG plot.
+
+Each run starts clean: the outputs of an earlier run in the output directory are replaced (the learner
+would otherwise go on from the weights it published), and on a Redis of the user's the namespace's keys
+are deleted first. ``resume`` keeps them, and the learner goes on from its checkpoint instead (weights,
+optimizer state, policy version and step; ``pipeline.learner.checkpoint``).
 """
 
 from __future__ import annotations
@@ -12,23 +17,29 @@ import asyncio
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis as redis_sync
+import redis.asyncio as aioredis
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from pipeline.config import RedisSettings
+from pipeline.learner.checkpoint import OPTIMIZER_FILE
 from pipeline.models.tinymodels import arithmetic_problem
+from pipeline.models.weights import WEIGHTS_FILE
 from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
-from pipeline.transport.jobs import PromptJob, enqueue_prompts
+from pipeline.transport.connection import connect
+from pipeline.transport.jobs import PromptJob, enqueue_prompts, job_key_patterns
 from pipeline.transport.keys import Keys
 
 STAGES = ("rollout", "teacher", "feeder")
+#: What a run writes under its output directory; a new run replaces these (and nothing else there).
+OUTPUTS = ("weights", "metrics.jsonl", "report.json", "reverse_kl.png", "logs")
 
 
 @dataclass
@@ -44,17 +55,82 @@ class DemoConfig:
     rollout_workers: int = 1
     timeout_s: float = 240.0
     eval_every: int = 25
+    jobs_redis_url: str | None = None  # the rollout job queue (arq), when not on redis_url (a Cluster)
+    resume: bool = False  # go on from the learner's checkpoint in out/weights instead of starting clean
+
+    def settings(self) -> RedisSettings:
+        return RedisSettings(redis_url=self.redis_url, namespace=self.namespace, jobs_redis_url=self.jobs_redis_url)
 
 
 @dataclass
 class DemoResult:
-    history: list[dict[str, float]] = field(default_factory=list)
+    history: list[dict[str, float]] = field(default_factory=list)  # this run's learner records
+    earlier: list[dict[str, float]] = field(default_factory=list)  # the runs it resumed
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     elapsed_s: float = 0.0
     exit_codes: dict[str, int | None] = field(default_factory=dict)
 
+    @property
+    def first_step(self) -> int:
+        """The learner step this run started from (0, or where a resumed run went on)."""
+        return int(self.history[0]["step"]) if self.history else 0
+
     def heldout(self) -> list[tuple[float, float]]:
         return [(r["step"], r["heldout_reverse_kl"]) for r in self.history if "heldout_reverse_kl" in r]
+
+
+def clear_outputs(out: Path) -> list[str]:
+    """Delete an earlier run's outputs under ``out`` (only ``OUTPUTS``); returns the names deleted."""
+    gone = []
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        gone.append(name)
+    return gone
+
+
+def can_resume(out: Path) -> bool:
+    """Whether ``out`` holds a learner checkpoint to go on from: published weights and the optimizer's state."""
+    return all((out / "weights" / name).exists() for name in (WEIGHTS_FILE, OPTIMIZER_FILE))
+
+
+async def live_workers(settings: RedisSettings, keys: Keys) -> int:
+    """Heartbeats under ``keys``' namespace: workers of a pipeline running there now."""
+    r = connect(settings)
+    try:
+        return len([k async for k in r.scan_iter(match=keys.heartbeat_pattern(), count=500)])
+    finally:
+        await r.aclose()
+
+
+async def clear_namespace(settings: RedisSettings, keys: Keys, *, jobs: bool = True) -> int:
+    """Delete the keys an earlier run left under ``keys``' namespace: on ``settings.redis_url`` and, with ``jobs``,
+    on the job queue's Redis (the same one unless ``jobs_redis_url``). Returns how many."""
+    ns = keys.namespace
+    targets: list[tuple[str, list[str]]] = [(settings.redis_url, [f"{{{ns}:*", f"{ns}:*"])]
+    if jobs:
+        url = settings.jobs_redis_url or settings.redis_url
+        found = next((t for t in targets if t[0] == url), None)
+        if found is not None:
+            found[1].extend(p for p in job_key_patterns(keys) if not p.startswith(f"{ns}:"))
+        else:
+            targets.append((url, job_key_patterns(keys)))
+    deleted = 0
+    for url, patterns in targets:
+        r = connect(settings.model_copy(update={"redis_url": url}))
+        try:
+            for pattern in patterns:
+                found_keys = {k async for k in r.scan_iter(match=pattern, count=1000)}
+                for k in found_keys:  # one by one: on a Cluster they span slots
+                    deleted += int(await r.unlink(k))
+        finally:
+            await r.aclose()
+    return deleted
 
 
 def process_specs(cfg: DemoConfig, student: Path, teacher: Path) -> list[ProcSpec]:
@@ -88,17 +164,16 @@ def enqueue(cfg: DemoConfig) -> int:
     for i in range(n):
         q, a = arithmetic_problem(rng, "train")
         jobs.append(PromptJob(id=f"p{i}", messages=[{"role": "user", "content": q}], answer=a))
-    rs = RedisSettings(redis_url=cfg.redis_url, namespace=cfg.namespace)
-    new, _ = asyncio.run(enqueue_prompts(rs, Keys(cfg.namespace), jobs, epoch=0))
+    new, _ = asyncio.run(enqueue_prompts(cfg.settings(), Keys(cfg.namespace), jobs, epoch=0))
     return new
 
 
-def read_heartbeats(r: redis_sync.Redis, keys: Keys) -> dict[str, dict[str, Any]]:
+async def read_heartbeats(r: aioredis.Redis, keys: Keys) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for stage in STAGES:
         agg: dict[str, Any] = {"handled": 0, "workers": 0, "started": None, "drops": {}, "outcomes": {}}
-        for k in r.scan_iter(match=keys.heartbeat_pattern(stage)):
-            raw: Any = r.get(k)
+        async for k in r.scan_iter(match=keys.heartbeat_pattern(stage)):  # every master of a Cluster
+            raw: Any = await r.get(k)
             if raw is None:
                 continue
             info = json.loads(raw)
@@ -120,14 +195,19 @@ def read_history(path: Path) -> list[dict[str, float]]:
 
 def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console) -> DemoResult:
     cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
+    if not cfg.resume:
+        (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
     keys = Keys(cfg.namespace)
-    r = redis_sync.Redis.from_url(cfg.redis_url)
+    runner = asyncio.Runner()  # one loop for the monitoring client (a Cluster client too) for the whole run
+    r = connect(cfg.settings())
     env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "8",
            "DISTILLQ_LOG_JSON": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "DISTILLQ_HEARTBEAT_INTERVAL_S": "1"}
+    if cfg.jobs_redis_url:
+        env["DISTILLQ_JOBS_REDIS_URL"] = cfg.jobs_redis_url
     sup = Supervisor(process_specs(cfg, student, teacher), cfg.out / "logs", base_env=env)
-    result = DemoResult()
+    earlier = read_history(cfg.out / "metrics.jsonl")
+    result = DemoResult(earlier=earlier)
     t0 = time.monotonic()
     sup.start()
     try:
@@ -136,11 +216,11 @@ def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console
             task = progress.add_task("learner steps", total=cfg.steps, info="starting workers...")
             while time.monotonic() - t0 < cfg.timeout_s:
                 codes = sup.poll()
-                result.history = read_history(cfg.out / "metrics.jsonl")
-                stages = read_heartbeats(r, keys)
+                result.history = read_history(cfg.out / "metrics.jsonl")[len(earlier):]
+                stages = runner.run(read_heartbeats(r, keys))
                 if any(s["workers"] for s in stages.values()):
                     result.stages = stages
-                step = int(result.history[-1]["step"]) if result.history else 0
+                step = int(result.history[-1]["step"]) - result.first_step if result.history else 0
                 kl = [x for _, x in result.heldout()]
                 info = "  ".join(f"{s}:{v['handled']}" for s, v in stages.items())
                 if kl:
@@ -154,9 +234,20 @@ def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console
         sup.stop()
         result.exit_codes = {p.spec.name: p.exit_code if p.exit_code is not None else
                              (p.popen.returncode if p.popen else None) for p in sup.procs}
-        r.close()
-    result.history = read_history(cfg.out / "metrics.jsonl")
+        runner.run(r.aclose())
+        runner.close()
+    result.history = read_history(cfg.out / "metrics.jsonl")[len(earlier):]
     return result
+
+
+def change(start: float, end: float) -> str:
+    """``79% lower``, ``45% higher`` or ``unchanged``: which way a figure went, in words that say it."""
+    if end == start:
+        return "unchanged"
+    if start <= 0:
+        return "higher" if end > start else "lower"
+    pct = 100 * abs(end - start) / start
+    return f"{pct:.0f}% {'lower' if end < start else 'higher'}"
 
 
 def report(result: DemoResult, console: Console) -> dict[str, Any]:
@@ -173,15 +264,17 @@ def report(result: DemoResult, console: Console) -> dict[str, Any]:
         table.add_row(stage, str(s["handled"]), f"{rate:.1f}", notes)
         summary["stages"][stage] = {"groups": s["handled"], "groups_per_s": round(rate, 2),
                                     "outcomes": s["outcomes"], "drops_by_reason": s["drops"]}
-    steps = [r for r in result.history if r.get("step", 0) > 0]
+    steps = [r for r in result.history if r.get("step", 0) > result.first_step]
     table.add_row("learner", str(len(steps)), f"{len(steps) / max(result.elapsed_s, 1e-9):.1f}", "steps")
     console.print(table)
     held = result.heldout()
     if held:
         start, end = held[0][1], held[-1][1]
+        first, last = int(held[0][0]), int(held[-1][0])
+        span = f"over {last - first} steps" + (f" (steps {first}-{last}, resumed)" if first else "")
         console.print(f"held-out reverse KL(student || teacher): {start:.3f} -> {end:.3f} "
-                      f"({100 * (1 - end / start):.0f}% lower) over {int(held[-1][0])} steps")
-        summary.update(heldout_reverse_kl_start=start, heldout_reverse_kl_end=end)
+                      f"({change(start, end)}) {span}")
+        summary.update(heldout_reverse_kl_start=start, heldout_reverse_kl_end=end, first_step=first, last_step=last)
     batch_kl = [r["batch_reverse_kl"] for r in steps if not math.isnan(r.get("batch_reverse_kl", math.nan))]
     if len(batch_kl) >= 10:
         summary["batch_reverse_kl_first10"] = sum(batch_kl[:10]) / 10
@@ -198,11 +291,12 @@ def plot(result: DemoResult, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    steps = [r for r in result.history if r.get("step", 0) > 0 and not math.isnan(r.get("batch_reverse_kl", math.nan))]
+    records = result.earlier + result.history  # a resumed run's curve goes on from the runs before it
+    steps = [r for r in records if r.get("step", 0) > 0 and not math.isnan(r.get("batch_reverse_kl", math.nan))]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in steps], [r["batch_reverse_kl"] for r in steps], lw=1, alpha=0.6,
             label="batch (sampled-token estimate)")
-    held = result.heldout()
+    held = [(r["step"], r["heldout_reverse_kl"]) for r in records if "heldout_reverse_kl" in r]
     if held:
         ax.plot([s for s, _ in held], [k for _, k in held], "o-", lw=2, label="held-out prompts (exact)")
     ax.set_xlabel("learner step")

@@ -263,12 +263,28 @@ def total_of(name: str, parts: list[StreamStats]) -> StreamStats:
             m.lag = (m.lag or 0) + (g.lag or 0)
             m.pending += g.pending
             m.exists = m.exists or g.exists
-            m.consumers = max(m.consumers, g.consumers)
             ages = [a for a in (m.oldest_pending_age_s, g.oldest_pending_age_s) if a is not None]
             m.oldest_pending_age_s = max(ages) if ages else None
-            m.consumer_list += g.consumer_list
+            m.consumer_list = merge_consumers(m.consumer_list + g.consumer_list)
+            m.consumers = max(m.consumers, g.consumers, len(m.consumer_list))
     t.groups = list(merged.values())
     return t
+
+
+def merge_consumers(rows: list[ConsumerStats]) -> list[ConsumerStats]:
+    """One row per consumer name (a worker reads every shard, so it is a consumer of each): pending summed,
+    idle and inactive times the shortest (its latest read on any shard)."""
+    out: dict[str, ConsumerStats] = {}
+    for c in rows:
+        m = out.get(c.name)
+        if m is None:
+            out[c.name] = ConsumerStats(name=c.name, pending=c.pending, idle_s=c.idle_s, inactive_s=c.inactive_s)
+            continue
+        m.pending += c.pending
+        m.idle_s = min(m.idle_s, c.idle_s)
+        times = [x for x in (m.inactive_s, c.inactive_s) if x is not None]
+        m.inactive_s = min(times) if times else None
+    return list(out.values())
 
 
 async def collect(

@@ -71,6 +71,15 @@ def arq_settings(rs: RedisSettings) -> ArqRedisSettings:
     return settings
 
 
+def job_key_patterns(keys: Keys) -> list[str]:
+    """SCAN patterns of every key the job queue holds for ``keys``' namespace: its queue, health key and
+    enqueue markers (``ns:arq:*``), and arq's own per-job keys, named by the job id ``<namespace>:...``."""
+    from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
+
+    per_job = (job_key_prefix, in_progress_key_prefix, retry_key_prefix, result_key_prefix)
+    return [f"{keys.arq_prefix}*", *(f"{prefix}{keys.namespace}:*" for prefix in per_job)]
+
+
 def _marker(keys: Keys, epoch: int, prompt_id: str) -> str:
     return f"{keys.arq_prefix}enqueued:{epoch}:{prompt_id}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -178,14 +179,98 @@ def test_stats_show_per_shard_figures(cluster: LocalCluster, capsys: pytest.Capt
             await p.send(synthetic_rollout(1, 8, group_id=f"s{i}"))
         await r.aclose()
 
+    async def read_every_shard() -> None:
+        """A teacher t0 and a feeder f0 reading every shard of their stream, as workers do."""
+        r = connect(RedisSettings(redis_url=cluster.url))
+        for i, key in enumerate(keys.streams("scored", S)):
+            for n in range(i + 1):
+                await r.xadd(key, {"n": str(n)})
+        for stream, group, consumer in (("rollouts", "teacher", "t0"), ("scored", "feeder", "f0")):
+            for key in keys.streams(stream, S):
+                await r.xgroup_create(key, group, id="0")
+                await r.xreadgroup(group, consumer, {key: ">"}, count=2)
+        await r.aclose()
+
     asyncio.run(fill())
+    asyncio.run(read_every_shard())
     assert main(["stats", "--json", "--redis-url", cluster.url, "--namespace", keys.namespace]) == 0
     snap = json.loads(capsys.readouterr().out)
     streams = snap["streams"]
     per_shard = [streams[f"rollouts:{i}"]["length"] for i in range(S)]
     assert streams["rollouts"]["length"] == sum(per_shard) == 30
+    for stream, consumer, pending in (("rollouts", "t0", 2 * S), ("scored", "f0", 1 + 2 + 2)):
+        shard_rows = [streams[f"{stream}:{i}"]["groups"][0]["consumer_list"] for i in range(S)]
+        assert [[c["name"] for c in rows] for rows in shard_rows] == [[consumer]] * S
+        total = streams[stream]["groups"][0]
+        assert [(c["name"], c["pending"]) for c in total["consumer_list"]] == [(consumer, pending)]  # once, summed
+        assert total["consumers"] == 1
+    assert main(["stats", "--redis-url", cluster.url, "--namespace", keys.namespace]) == 0
+    table = capsys.readouterr().out
+    for stream, group, consumer in (("rollouts", "teacher", "t0"), ("scored", "feeder", "f0")):
+        rows = re.findall(rf"│ {stream}\s+│ {group}\s+│ {consumer}\s+│", table)
+        assert len(rows) == 1, table  # the stream's total row lists its consumer once (and each shard once)
+        assert len(re.findall(rf"│ {stream}:\d\s+│ {group}\s+│ {consumer}\s+│", table)) == S
     assert main(["tail", "rollouts", "--count", "5", "--json", "--redis-url", cluster.url,
                  "--namespace", keys.namespace]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 5
     assert main(["shards", "set", "1", "--redis-url", cluster.url, "--namespace", keys.namespace]) == 1  # not drained
+
+
+def demo_on_cluster(url: str, out: Path, *extra: str, jobs_url: str | None = None,
+                    **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("DISTILLQ_REDIS_URL", "DISTILLQ_JOBS_REDIS_URL")}
+    if jobs_url is not None:
+        base["DISTILLQ_JOBS_REDIS_URL"] = jobs_url
+    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--redis-url", url, "--namespace",
+                           "democluster", "--out", str(out), *extra], env={**base, **env}, capture_output=True,
+                          text=True, timeout=400, check=False)
+
+
+@pytest.mark.timeout(900)
+def test_demo_on_the_cluster(cluster: LocalCluster, redis_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    first = demo_on_cluster(cluster.url, out, "--steps", "30")  # the job queue on an embedded single Redis
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "rollout job queue (arq, which cannot use Redis Cluster) on an embedded Redis at redis://127.0.0.1:" \
+        in first.stderr
+    second = demo_on_cluster(cluster.url, out, "--steps", "30", jobs_url=redis_url)  # on the given single Redis
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"rollout job queue (arq) on {redis_url} (DISTILLQ_JOBS_REDIS_URL)" in second.stderr
+    assert "keys an earlier run left in namespace democluster" in second.stderr  # on the cluster, deleted
+    assert "replacing the earlier run in" in second.stderr
+    for proc in (first, second):
+        assert "Traceback" not in proc.stderr
+        line = next(x for x in proc.stderr.splitlines() if x.startswith("held-out reverse KL"))
+        print(f"demo on the cluster: {line}")
+        assert "lower" in line
+    report = json.loads((out / "report.json").read_text())
+    assert report["exit_codes"]["learner"] == 0 and report["last_step"] == 30
+    assert report["heldout_reverse_kl_end"] < report["heldout_reverse_kl_start"]
+    for stage in ("rollout", "teacher", "feeder"):
+        assert report["stages"][stage]["groups"] > 0
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert str(out) not in ps  # every process of both runs (and the embedded job queue) stopped
+
+
+def test_demo_on_the_cluster_says_what_to_set(cluster: LocalCluster, tmp_path: Path) -> None:
+    cases = [
+        ({"jobs_url": cluster.url}, 2, "distillq: DISTILLQ_JOBS_REDIS_URL must be a single Redis: the rollout job "
+                                       "queue (arq) cannot use Redis Cluster"),
+        ({"PATH": str(tmp_path)}, 1, "distillq: the rollout job queue (arq) cannot use Redis Cluster and no "
+                                     "redis-server was found to run it here: set DISTILLQ_JOBS_REDIS_URL to a single "
+                                     "Redis"),
+    ]
+    for env, status, line in cases:
+        proc = demo_on_cluster(cluster.url, tmp_path / "demo", **env)
+        assert proc.returncode == status, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == line
+        assert "Traceback" not in proc.stderr
+    base = {k: v for k, v in os.environ.items() if k != "DISTILLQ_JOBS_REDIS_URL"}
+    worker = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "worker", "rollout", "--redis-url",
+                             cluster.url, "--backend", "hf", "--model", str(tmp_path / "no-model")], env=base,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert worker.returncode == 1
+    assert worker.stderr.strip().splitlines() == [
+        "distillq worker rollout: the rollout job queue (arq) cannot use Redis Cluster: set DISTILLQ_JOBS_REDIS_URL "
+        "to a single Redis (the stage streams stay on the cluster)"]

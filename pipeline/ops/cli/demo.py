@@ -1,6 +1,8 @@
 """``distillq demo``: the pipeline end to end on one machine, on an embedded Redis by default.
 
 Every process it starts, and the embedded server, are stopped on exit, on error and on Ctrl-C.
+On a Redis Cluster the rollout job queue (arq, which cannot use one) runs on ``$DISTILLQ_JOBS_REDIS_URL``,
+else on an embedded single Redis; the demo says which.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from pipeline.config import redis_settings
-from pipeline.ops.cli.common import add_command, ensure_reachable, make_console, run
+from rich.console import Console
+
+from pipeline.config import RedisSettings, redis_settings
+from pipeline.ops.cli.common import add_command, ensure_reachable, make_console, namespace_keys, run
+from pipeline.ops.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.transport.connection import mask_url
+from pipeline.transport.connection import is_cluster_url, mask_url
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,7 +32,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--steps", type=int, default=150, metavar="N", help="learner steps")
     p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
-                   help="output directory: report.json, reverse_kl.png, metrics.jsonl, logs/")
+                   help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
+                        "earlier run's are replaced")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the earlier run in --out (weights, optimizer state, policy version, step) "
+                        "for --steps more steps, instead of starting clean")
     p.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS", help="seconds the pipeline may run")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
@@ -41,33 +50,104 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _embedded(missing: str | None = None) -> EmbeddedRedis:
+    """An embedded Redis, started; ``missing``: what to say when no server binary is found."""
+    try:
+        server = EmbeddedRedis()
+    except RuntimeError as e:  # no server binary
+        raise CliError(missing or str(e), EXIT_FAILED) from e
+    try:
+        return server.start()
+    except RuntimeError as e:
+        raise CliError(f"{e} ({server.binary})", EXIT_FAILED) from e
+
+
+def prepare_redis(settings: RedisSettings, console: Console, *, jobs_embedded: bool) -> None:
+    """Refuse a namespace that a running pipeline uses; delete what an earlier run left in it."""
+    from pipeline.ops.demo import clear_namespace, live_workers
+
+    keys = namespace_keys(settings)
+    live = run(live_workers(settings, keys))
+    if live:
+        raise CliError(f"namespace {keys.namespace} at {mask_url(settings.redis_url)} has {live} live worker(s); the "
+                       "demo deletes its namespace's keys first: pass --namespace with one of its own", EXIT_FAILED)
+    deleted = run(clear_namespace(settings, keys, jobs=not jobs_embedded))
+    if deleted:
+        console.print(f"deleted {deleted} keys an earlier run left in namespace {keys.namespace}")
+
+
+def prepare_out(args: argparse.Namespace, console: Console) -> None:
+    """Replace an earlier run's outputs in ``--out``, saying so; or check that ``--resume`` has one to go on from."""
+    from pipeline.ops.demo import clear_outputs, read_history
+
+    if args.resume:
+        history = read_history(args.out / "metrics.jsonl")
+        step = int(history[-1]["step"]) if history else 0
+        console.print(f"resuming the run in {args.out} from learner step {step} (weights, optimizer state, "
+                      "policy version)")
+        return
+    gone = clear_outputs(args.out)
+    if gone:
+        console.print(f"replacing the earlier run in {args.out} ({', '.join(gone)}); --resume goes on from it instead")
+
+
+def start_redis(args: argparse.Namespace, namespace: str, console: Console,
+                servers: list[EmbeddedRedis]) -> tuple[str, str | None]:
+    """(Redis URL, job queue URL or None: the same Redis) for the demo, checked and cleared of an earlier run;
+    each embedded server it starts is appended to ``servers`` (the caller stops them)."""
+    url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
+    jobs_url = os.environ.get("DISTILLQ_JOBS_REDIS_URL") or None
+    if jobs_url and is_cluster_url(jobs_url):
+        raise CliError("DISTILLQ_JOBS_REDIS_URL must be a single Redis: the rollout job queue (arq) cannot use "
+                       "Redis Cluster", EXIT_USAGE)
+    streams_embedded = jobs_embedded = False
+    if url:
+        console.print(f"using Redis at {mask_url(url)}")
+        run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
+        if is_cluster_url(url) and not jobs_url:
+            servers.append(_embedded("the rollout job queue (arq) cannot use Redis Cluster and no redis-server "
+                                     "was found to run it here: set DISTILLQ_JOBS_REDIS_URL to a single Redis"))
+            jobs_url, jobs_embedded = servers[-1].url, True
+            console.print(f"rollout job queue (arq, which cannot use Redis Cluster) on an embedded Redis at "
+                          f"{jobs_url}; set DISTILLQ_JOBS_REDIS_URL to use another")
+    else:
+        servers.append(_embedded())
+        url, streams_embedded = servers[-1].url, True
+        console.print(f"[bold]embedded Redis[/bold] {servers[-1].binary} on {url}")
+    if jobs_url and not jobs_embedded:
+        console.print(f"rollout job queue (arq) on {mask_url(jobs_url)} (DISTILLQ_JOBS_REDIS_URL)")
+        run(ensure_reachable(redis_settings(jobs_url), jobs_url))
+    if not streams_embedded or (jobs_url and not jobs_embedded):  # a Redis of the user's
+        settings = redis_settings(url, namespace).model_copy(update={"jobs_redis_url": jobs_url})
+        prepare_redis(settings, console, jobs_embedded=jobs_embedded)
+    return url, jobs_url
+
+
 def main(args: argparse.Namespace) -> int:
     from pipeline.models.pretrain import train_teacher
     from pipeline.models.tinymodels import ensure_tiny_models
-    from pipeline.ops.demo import DemoConfig, plot, report, run_pipeline
+    from pipeline.ops.demo import DemoConfig, can_resume, plot, report, run_pipeline
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)  # on a file or pipe: as wide as the report, nothing wrapped
     t0 = time.monotonic()
-    embedded = None
+    servers: list[EmbeddedRedis] = []
     try:
-        url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
-        if url:
-            console.print(f"using Redis at {mask_url(url)}")
-            run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
-        else:
-            embedded = EmbeddedRedis().start()
-            url = embedded.url
-            console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
+        if args.resume and not can_resume(args.out):
+            raise CliError(f"nothing to resume in {args.out}: no learner checkpoint (weights and optimizer state) from "
+                           "an earlier run; run without --resume", EXIT_USAGE)
+        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        url, jobs_url = start_redis(args, namespace, console, servers)
+        prepare_out(args, console)
         with console.status("building tiny models (cached after the first run)..."):
             tiny = ensure_tiny_models()
         with console.status("training the teacher on the arithmetic task (cached)...") as status:
             teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
                 f"training the teacher: step {s + 1}, loss {loss:.3f}"))
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
-        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps,
-                         rollout_workers=args.rollout_workers, timeout_s=args.timeout)
+                         rollout_workers=args.rollout_workers, timeout_s=args.timeout, jobs_redis_url=jobs_url,
+                         resume=args.resume)
         from pipeline.ops.demo import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")
@@ -84,5 +164,5 @@ def main(args: argparse.Namespace) -> int:
         console.print("[yellow]interrupted: stopping every process[/yellow]")
         return 130
     finally:
-        if embedded is not None:
-            embedded.stop()
+        for server in servers:
+            server.stop()

@@ -1,0 +1,84 @@
+"""The demo's clean start on a Redis of the user's: its namespace's keys (and its jobs' arq keys) go, nothing
+else does, and a namespace with live workers is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import RedisSettings
+from pipeline.ops.demo import clear_namespace, live_workers
+from pipeline.transport.connection import connect
+from pipeline.transport.jobs import PromptJob, enqueue_prompts
+from pipeline.transport.keys import Keys
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.redis]
+
+
+async def _fill(settings: RedisSettings, keys: Keys) -> None:
+    r = connect(settings)
+    await r.xadd(keys.stream("rollouts"), {"x": "1"})
+    await r.set(keys.seen("rollouts", "g1"), "1")
+    await r.set(keys.policy_version, "150")
+    await r.hset(keys.config, "shards", "1")
+    await r.aclose()
+    await enqueue_prompts(settings, keys, [PromptJob(id=f"p{i}", prompt="1+1=") for i in range(3)])
+
+
+async def _keys(url: str) -> set[str]:
+    r = connect(RedisSettings(redis_url=url))
+    found = {k.decode() async for k in r.scan_iter(count=1000)}
+    await r.aclose()
+    return found
+
+
+def test_clear_namespace_deletes_its_keys_only(redis_url: str, keys: Keys) -> None:
+    other = Keys(keys.namespace + "x")  # a namespace that starts like it
+    settings = RedisSettings(redis_url=redis_url, namespace=keys.namespace)
+    asyncio.run(_fill(settings, keys))
+    asyncio.run(_fill(settings.model_copy(update={"namespace": other.namespace}), other))
+    before = asyncio.run(_keys(redis_url))
+    mine = {k for k in before if keys.namespace + ":" in k and other.namespace not in k}
+    assert any(k.startswith("arq:job:") for k in mine) and len(mine) >= 9
+    deleted = asyncio.run(clear_namespace(settings, keys))
+    after = asyncio.run(_keys(redis_url))
+    assert deleted == len(mine)
+    assert after == before - mine
+    assert any(other.namespace in k and k.startswith("arq:job:") for k in after)  # the other's jobs stay
+
+
+def test_jobs_on_another_redis_are_cleared_there(redis_url: str, keys: Keys, tmp_path: Path) -> None:
+    jobs = RedisServer().start()
+    try:
+        settings = RedisSettings(redis_url=redis_url, namespace=keys.namespace, jobs_redis_url=jobs.url)
+        asyncio.run(_fill(settings, keys))
+        assert any(k.startswith("arq:job:") for k in asyncio.run(_keys(jobs.url)))
+        assert asyncio.run(clear_namespace(settings, keys)) > 0
+        assert not {k for k in asyncio.run(_keys(jobs.url)) if keys.namespace in k}
+        assert not {k for k in asyncio.run(_keys(redis_url)) if keys.namespace in k}
+    finally:
+        jobs.stop()
+
+
+def test_a_namespace_with_live_workers_is_refused(redis_url: str, keys: Keys, tmp_path: Path) -> None:
+    async def beat() -> None:
+        r = connect(RedisSettings(redis_url=redis_url))
+        await r.set(keys.heartbeat("teacher", "teacher-0"), "{}", ex=60)
+        await r.set(keys.policy_version, "7")
+        await r.aclose()
+
+    asyncio.run(beat())
+    assert asyncio.run(live_workers(RedisSettings(redis_url=redis_url), keys)) == 1
+    proc = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--redis-url", redis_url,
+                           "--namespace", keys.namespace, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"distillq: namespace {keys.namespace} at {redis_url} has 1 live worker(s); the demo deletes its "
+        "namespace's keys first: pass --namespace with one of its own")
+    assert asyncio.run(_keys(redis_url)) >= {keys.policy_version}  # nothing deleted
