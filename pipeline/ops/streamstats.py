@@ -20,6 +20,7 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from pipeline.ops.pipelinestate import add_pipeline_state
 from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys
 from pipeline.transport.sharding import get_shards
 
@@ -46,6 +47,8 @@ class ConsumerStats:
     pending: int
     idle_s: float  # since the consumer's last read or claim
     inactive_s: float | None = None  # since its last successful read (Redis >= 7.2)
+    heartbeat: bool | None = None  # a live worker heartbeat under this name (None: its stage writes none)
+    reclaim_in_s: float | None = None  # no heartbeat: when its most idle entry becomes reclaimable (0: now)
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ class StreamStats:
     added_in_window: int = 0
     window_capped: bool = False
     added_per_s: float | None = None  # from an earlier snapshot, see ``with_rates``
+    full: bool = False  # at the backlog cap (a shard of it, for a sharded total): producers wait
     groups: list[GroupStats] = field(default_factory=list)
 
     @property
@@ -95,6 +99,9 @@ class WorkerStats:
     handled: int = 0
     age_s: float | None = None  # since the last heartbeat
     started: float | None = None
+    outcomes: dict[str, int] = field(default_factory=dict)  # by outcome (stale, batched, emitted, ...)
+    drops: dict[str, int] = field(default_factory=dict)  # teacher: payloads dropped, by reason
+    problem: str | None = None  # what the worker reports as wrong (teacher: its backend failing)
 
 
 @dataclass(slots=True)
@@ -104,6 +111,10 @@ class Snapshot:
     streams: dict[str, StreamStats]
     dead_letters: int
     workers: list[WorkerStats]
+    policy_version: int | None = None  # the learner's (None: never set)
+    max_backlog: int = 0  # entries per stream key at which producers wait (this command's setting)
+    rollout_jobs: int | None = None  # prompts queued for rollout workers (arq), None if unreadable
+    namespace_note: str | None = None  # the namespace has no keys here
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -169,7 +180,15 @@ def parse_heartbeat(keys: Keys, key: str, raw: bytes | None, now: float) -> Work
         pid=int(info.get("pid", 0) or 0), handled=int(info.get("handled", 0) or 0),
         age_s=None if ts is None else round(max(0.0, now - float(ts)), 3),
         started=None if info.get("started") is None else float(info["started"]),
+        outcomes=_counts(info.get("outcomes")), drops=_counts(info.get("drops")),
+        problem=None if not info.get("unhealthy") else str(info["unhealthy"]),
     )
+
+
+def _counts(raw: object) -> dict[str, int]:
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): int(v) for k, v in raw.items() if isinstance(v, int | float) and v}
 
 
 def with_rates(prev: Snapshot | None, cur: Snapshot) -> Snapshot:
@@ -272,7 +291,8 @@ def total_of(name: str, parts: list[StreamStats]) -> StreamStats:
 
 
 async def collect(
-    redis: aioredis.Redis, keys: Keys, streams: list[str], *, window_s: float = 60.0, cap: int = WINDOW_CAP
+    redis: aioredis.Redis, keys: Keys, streams: list[str], *, window_s: float = 60.0, cap: int = WINDOW_CAP,
+    jobs_redis: aioredis.Redis | None = None,
 ) -> Snapshot:
     """One snapshot of ``streams`` (short names), the DLQ length and the live workers."""
     now = await server_time(redis)
@@ -287,5 +307,7 @@ async def collect(
         else:
             out[n] = await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap)
     dead = out["dlq"].length if "dlq" in out else int(await redis.xlen(keys.dlq))
-    return Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
+    snap = Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
                     workers=await workers(redis, keys, now))
+    await add_pipeline_state(redis, keys, snap, jobs_redis=jobs_redis)
+    return snap
