@@ -431,7 +431,8 @@ async def test_push_lines_without_group_id_get_a_content_id_and_repush_is_dedupl
     reordered.write_text("\n".join(json.dumps(dict(reversed(list(o.items()))), indent=None, separators=(", ", ": "))
                                    for o in (b, a)) + "\n")
     code, out, _ = await cli(capsys, redis_url, keys, "push", str(reordered))
-    assert code == 0 and out == f"pushed 0 group(s) onto rollouts in namespace '{keys.namespace}' (2 already present, skipped)\n"
+    assert code == 0
+    assert out == f"pushed 0 group(s) onto rollouts in namespace '{keys.namespace}' (2 already present, skipped)\n"
     assert await r.xlen(keys.stream("rollouts")) == 2
 
     changed = dict(a, scores=[s + 1.0 for s in a["scores"]])  # other content: another id
