@@ -6,21 +6,27 @@ entries become reclaimable). Reads only.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from pipeline.config import StreamSettings
 from pipeline.ops.namespaces import absent_note
+from pipeline.ops.streamstats import Snapshot, collect
 from pipeline.transport.keys import Keys
-
-if TYPE_CHECKING:
-    from pipeline.ops.streamstats import Snapshot
 
 #: Consumer groups whose readers write a heartbeat (the learner client writes none).
 BEATING_GROUPS = ("teacher", "feeder")
 _PENDING_SAMPLE = 100  # pending entries read per consumer without a heartbeat, to find the most idle
+
+
+async def collect_all(redis: aioredis.Redis, keys: Keys, streams: list[str], *, window_s: float = 60.0,
+                      jobs_redis: aioredis.Redis | None = None) -> Snapshot:
+    """``streamstats.collect`` plus the pipeline state: everything ``distillq stats`` shows."""
+    snap = await collect(redis, keys, streams, window_s=window_s)
+    await add_pipeline_state(redis, keys, snap, jobs_redis=jobs_redis)
+    return snap
 
 
 async def add_pipeline_state(redis: aioredis.Redis, keys: Keys, snap: Snapshot, *,

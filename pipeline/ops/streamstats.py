@@ -20,7 +20,6 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from pipeline.ops.pipelinestate import add_pipeline_state
 from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys
 from pipeline.transport.sharding import get_shards
 
@@ -291,10 +290,10 @@ def total_of(name: str, parts: list[StreamStats]) -> StreamStats:
 
 
 async def collect(
-    redis: aioredis.Redis, keys: Keys, streams: list[str], *, window_s: float = 60.0, cap: int = WINDOW_CAP,
-    jobs_redis: aioredis.Redis | None = None,
+    redis: aioredis.Redis, keys: Keys, streams: list[str], *, window_s: float = 60.0, cap: int = WINDOW_CAP
 ) -> Snapshot:
-    """One snapshot of ``streams`` (short names), the DLQ length and the live workers."""
+    """One snapshot of ``streams`` (short names), the DLQ length and the live workers (``pipelinestate`` adds the
+    rest of what ``distillq stats`` shows)."""
     now = await server_time(redis)
     shards = await get_shards(redis, keys)
     out: dict[str, StreamStats] = {}
@@ -307,7 +306,5 @@ async def collect(
         else:
             out[n] = await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap)
     dead = out["dlq"].length if "dlq" in out else int(await redis.xlen(keys.dlq))
-    snap = Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
+    return Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
                     workers=await workers(redis, keys, now))
-    await add_pipeline_state(redis, keys, snap, jobs_redis=jobs_redis)
-    return snap

@@ -21,7 +21,8 @@ from pipeline.ops.cli.common import (
     stream_name,
     with_redis,
 )
-from pipeline.ops.streamstats import Snapshot, collect, with_rates
+from pipeline.ops.pipelinestate import collect_all
+from pipeline.ops.streamstats import Snapshot, with_rates
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import STREAMS, Keys
 
@@ -193,8 +194,8 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
         if live is not None:
             live.start()
         while args.refreshes is None or n < args.refreshes:
-            snap = with_rates(prev, await collect(redis, keys, _streams(args), window_s=args.window,
-                                                  jobs_redis=jobs))
+            snap = with_rates(prev, await collect_all(redis, keys, _streams(args), window_s=args.window,
+                                                      jobs_redis=jobs))
             if live is not None:
                 live.update(render(snap), refresh=True)
             elif args.json:
@@ -213,7 +214,7 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
 
 async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console,
                jobs: aioredis.Redis | None = None) -> int:
-    snap = await collect(redis, keys, _streams(args), window_s=args.window, jobs_redis=jobs)
+    snap = await collect_all(redis, keys, _streams(args), window_s=args.window, jobs_redis=jobs)
     if args.json:
         print(json.dumps(snap.to_json(), indent=2))
     else:
