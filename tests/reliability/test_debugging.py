@@ -139,7 +139,7 @@ async def test_2_every_writing_command_names_the_namespace_and_an_unused_one_is_
 # --- 3 and 10. stats shows what the heartbeats hold; where is group G ----------------------------------
 
 
-async def test_3_10_stale_drops_policy_version_full_streams_orphans_and_jobs_show_in_stats(
+async def test_3_10_stale_drops_and_the_policy_version_show_in_stats_and_where_finds_the_group(
     workers: Workers, private_redis: RedisServer, namespace: str, tmp_path: Path
 ) -> None:
     url, keys = private_redis.url, Keys(namespace)
@@ -182,7 +182,12 @@ async def test_3_10_stale_drops_policy_version_full_streams_orphans_and_jobs_sho
                                                                             "acknowledged yet")
     assert dq(url, namespace, "where", "never-pushed").returncode == 1
 
-    # Full streams, an orphaned consumer, queued rollout jobs.
+
+async def test_3_full_streams_orphaned_consumers_and_queued_jobs_show_in_stats(
+    private_redis: RedisServer, namespace: str, tmp_path: Path
+) -> None:
+    url, keys = private_redis.url, Keys(namespace)
+    r = redis_client(url)
     for i in range(3):
         await StreamProducer(r, keys, "rollouts").send(synthetic_rollout(1, 6, group_id=f"r{i}"))
     dead = StreamConsumer(r, keys, "rollouts", "teacher-gone", fast_settings())
@@ -190,7 +195,9 @@ async def test_3_10_stale_drops_policy_version_full_streams_orphans_and_jobs_sho
     assert len(await dead.read(2, block_ms=100)) == 2  # read, never acked, no heartbeat: a killed worker
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{i}+1="}) + "\n" for i in range(12)))
-    assert dq(url, namespace, "enqueue", str(prompts)).returncode == 0
+    p = dq(url, namespace, "enqueue", str(prompts))
+    assert p.returncode == 0 and p.stdout.startswith("enqueued 12 prompt(s)")
+    assert f"in namespace '{namespace}'" in p.stdout
     env = {"DISTILLQ_MAX_BACKLOG": "3", "DISTILLQ_CLAIM_IDLE_MS": "60000"}
     snap = stats_json(url, namespace, env)
     assert snap["rollout_jobs"] == 12 and snap["max_backlog"] == 3 and snap["streams"]["rollouts"]["full"]
