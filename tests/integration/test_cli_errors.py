@@ -77,6 +77,8 @@ UNREACHABLE = {
     "shards": ["shards"],
     "shards set": ["shards", "set", "2"],
     "enqueue": ["enqueue", "PROMPTS"],
+    "where": ["where", "g"],
+    "namespaces": ["namespaces"],
 }
 
 
