@@ -69,8 +69,9 @@ def content_group_id(obj: dict[str, Any]) -> str:
     return DERIVED_PREFIX + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def _rollout(obj: dict[str, Any], gid: str, version: int) -> RolloutGroup:
-    """The rollout half of ``obj`` (checked: tokens, masks and scores, one per sequence)."""
+def _rollout(obj: dict[str, Any], gid: str, version: int, strict: bool) -> RolloutGroup:
+    """The rollout half of ``obj`` (checked: tokens, masks and scores, one per sequence; with ``strict``, the
+    per-token float arrays too)."""
     n_seqs = len(obj["tokens"])
     toks = [_ids(_numbers(_list(t, f"tokens[{s}]"), f"tokens[{s}]", ints=True), f"tokens[{s}]")
             for s, t in enumerate(obj["tokens"])]
@@ -81,7 +82,7 @@ def _rollout(obj: dict[str, Any], gid: str, version: int) -> RolloutGroup:
     inf_render: Render = lambda a, s: np.where(loss[s], _as_f32(a, s), MASKED_LOGPROB)  # noqa: E731
     floats: dict[str, list[F64 | None]] = {}
     for key, render in (("inference_logprobs", inf_render), ("advantages", _as_f32), ("ref_logprobs", _as_f32)):
-        floats[key], keep = _per_token(obj, key, toks, render)
+        floats[key], keep = _per_token(obj, key, toks, render, strict=strict)
         if keep:
             verbatim[key] = _free_form(obj[key], key, list[list[float] | None])
     messages, keep = _objects(obj, "messages", n_seqs, _messages)
@@ -264,7 +265,7 @@ def _float(obj: dict[str, Any], key: str) -> float:
 
 
 def _convert(
-    obj: object, group_id: str | None, policy_version: int, limits: Limits
+    obj: object, group_id: str | None, policy_version: int, limits: Limits, strict: bool
 ) -> RolloutGroup | ScoredGroup:
     if not isinstance(obj, dict):
         raise DecodeError("group", f"expected a JSON object, got {type(obj).__name__}")
@@ -282,7 +283,7 @@ def _convert(
     gid = obj.get("group_id") or group_id or content_group_id(obj)
     if not isinstance(gid, str):
         raise DecodeError("group_id", f"must be a string, got {gid!r}")
-    group = _rollout(obj, gid, version)
+    group = _rollout(obj, gid, version, strict)
     if obj.get("distill_token_ids") is None and obj.get("distill_logprobs") is None:
         return group
     return _top_k(obj, group, limits)
@@ -294,6 +295,7 @@ def rollout_from_atropos(
     group_id: str | None = None,
     policy_version: int = 0,
     limits: Limits | None = None,
+    strict_lengths: bool = True,
 ) -> RolloutGroup | ScoredGroup:
     """Convert one ScoredDataGroup; a ``ScoredGroup`` when it carries distill arrays (status OK, or SKIPPED
     when ``group_overrides`` says no teacher: ``skip_teacher_top_k``, or ``teacher_top_k <= -1``).
@@ -302,11 +304,17 @@ def rollout_from_atropos(
     is derived from the content (``content_group_id``), so a group sent twice is one group. Raises
     ``DecodeError`` naming the input field (``tokens[2]``, ``distill_logprobs[0][5]``) for any bad input;
     the result is validated with ``limits`` (default ``Limits()``).
+
+    ``strict_lengths`` (the default) refuses ``inference_logprobs``, ``advantages`` or ``ref_logprobs``
+    unless each holds one row per sequence and one number per token (``inference_logprobs[0]: 5 values for
+    8 tokens``): a short row would otherwise reach the learner as no student logprobs at all. With
+    ``strict_lengths=False`` (the Atropos API server, which accepts what the reference server accepts),
+    such a field is kept verbatim for ``to_atropos`` and left out of the wire's sequences.
     """
     lim = limits or _DEFAULT_LIMITS
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # out-of-range floats become inf: rejected below
-            msg = _convert(obj, group_id, policy_version, lim)
+            msg = _convert(obj, group_id, policy_version, lim, strict_lengths)
         validate(msg, lim)
     except DecodeError as e:
         raise DecodeError(_rename(e.field), e.reason) from None
@@ -321,12 +329,14 @@ def rollout_group_from_atropos(
     group_id: str | None = None,
     policy_version: int = 0,
     limits: Limits | None = None,
+    strict_lengths: bool = True,
 ) -> RolloutGroup:
     """The rollout group of one ScoredDataGroup, for the teacher workers to score: its distill arrays are
     left out before converting (never parsed), everything else as ``rollout_from_atropos`` (validated; an
     id derived from the rest of the content when none is given)."""
     rollout = {k: v for k, v in obj.items() if k not in ("distill_token_ids", "distill_logprobs")}
-    msg = rollout_from_atropos(rollout, group_id=group_id, policy_version=policy_version, limits=limits)
+    msg = rollout_from_atropos(rollout, group_id=group_id, policy_version=policy_version, limits=limits,
+                               strict_lengths=strict_lengths)
     assert isinstance(msg, RolloutGroup)  # without distill arrays the conversion gives a rollout group
     return msg
 

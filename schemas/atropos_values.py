@@ -101,14 +101,26 @@ def _ids(a: I64, field: str | Callable[[int], str]) -> I64:
     return a
 
 
-def _per_token(obj: dict[str, Any], key: str, toks: list[I64], render: Render) -> tuple[list[F64 | None], bool]:
+def _per_token(obj: dict[str, Any], key: str, toks: list[I64], render: Render,
+               *, strict: bool = True) -> tuple[list[F64 | None], bool]:
     """Per sequence, ``obj[key]``'s row as float64 where it has one number per token (else None), and
     whether the field must be kept verbatim: a row missing or of another length, a count other than one
-    per sequence, or a value ``render`` (what ``to_atropos`` writes) would not give back."""
+    per sequence, or a value ``render`` (what ``to_atropos`` writes) would not give back. ``strict``
+    refuses, naming the field, a row count other than one per sequence, a null row, and a row whose length
+    is not the sequence's token count, instead of keeping them verbatim."""
     n = len(toks)
     if obj.get(key) is None:
         return [None] * n, False
     rows = _list(obj[key], key)
+    if strict:
+        if len(rows) != n:
+            raise DecodeError(key, f"{len(rows)} rows for {n} sequences (one row per sequence)")
+        for s, row in enumerate(rows):
+            if row is None:
+                raise DecodeError(f"{key}[{s}]", "null; give one number per token, or leave the field out")
+            if len(_list(row, f"{key}[{s}]")) != toks[s].shape[0]:
+                raise DecodeError(f"{key}[{s}]", f"{len(row)} values for {toks[s].shape[0]} tokens "
+                                                 "(one per token)")
     verbatim = len(rows) != n  # then no row can be matched with a sequence
     out: list[F64 | None] = [None] * n
     for s, row in enumerate(rows):

@@ -35,9 +35,17 @@ def make_sequence(
     advantages: npt.ArrayLike | None = None,
     ref_logprobs: npt.ArrayLike | None = None,
 ) -> Sequence:
-    """Build a ``Sequence``; ``prompt_len`` defaults to the first trainable position."""
+    """Build a ``Sequence``; ``prompt_len`` defaults to the first trainable position. Every per-token array
+    must hold one value per token: otherwise ``ValueError`` naming it (``logprobs: 5 values for 8 tokens``)."""
     tok = np.asarray(tokens, dtype=np.int32)
     mask = np.asarray(loss_mask).astype(np.uint8)
+    for name, a in (("loss_mask", mask), ("logprobs", logprobs), ("advantages", advantages),
+                    ("ref_logprobs", ref_logprobs)):
+        shape = None if a is None else np.shape(a)
+        if shape is not None and shape != tok.shape:
+            what = f"{shape[0]} values" if len(shape) == 1 else f"shape {shape}"
+            raise ValueError(f"{name}: {what} for {tok.shape[0] if tok.ndim == 1 else tok.shape} tokens "
+                             "(one per token)")
     if prompt_len is None:
         nz = np.flatnonzero(mask)
         prompt_len = int(nz[0]) if nz.size else int(tok.shape[0])

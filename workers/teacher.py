@@ -124,6 +124,12 @@ async def _checked(backend: TeacherBackend, args: argparse.Namespace) -> Scorer:
     """Start ``backend``, run the start-up checks, and build the scorer."""
     from pipeline.teacher.vocab import check_same_vocab, self_test_checksum
 
+    max_k = stream_settings(args).max_k
+    if args.top_k > max_k:  # a local model's cap is its vocabulary: every group would fail the readers' check
+        raise TeacherConfigError(
+            f"--top-k {args.top_k} exceeds DISTILLQ_MAX_K={max_k}, the largest k any reader accepts "
+            "(raise DISTILLQ_MAX_K for every worker and the learner, or lower --top-k)"
+        )
     await backend.start()
     if args.top_k > backend.max_k:
         raise TeacherConfigError(

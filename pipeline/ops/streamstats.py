@@ -46,6 +46,8 @@ class ConsumerStats:
     pending: int
     idle_s: float  # since the consumer's last read or claim
     inactive_s: float | None = None  # since its last successful read (Redis >= 7.2)
+    heartbeat: bool | None = None  # a live worker heartbeat under this name (None: its stage writes none)
+    reclaim_in_s: float | None = None  # no heartbeat: when its most idle entry becomes reclaimable (0: now)
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class StreamStats:
     added_in_window: int = 0
     window_capped: bool = False
     added_per_s: float | None = None  # from an earlier snapshot, see ``with_rates``
+    full: bool = False  # at the backlog cap (a shard of it, for a sharded total): producers wait
     groups: list[GroupStats] = field(default_factory=list)
 
     @property
@@ -95,6 +98,9 @@ class WorkerStats:
     handled: int = 0
     age_s: float | None = None  # since the last heartbeat
     started: float | None = None
+    outcomes: dict[str, int] = field(default_factory=dict)  # by outcome (stale, batched, emitted, ...)
+    drops: dict[str, int] = field(default_factory=dict)  # teacher: payloads dropped, by reason
+    problem: str | None = None  # what the worker reports as wrong (teacher: its backend failing)
 
 
 @dataclass(slots=True)
@@ -104,6 +110,10 @@ class Snapshot:
     streams: dict[str, StreamStats]
     dead_letters: int
     workers: list[WorkerStats]
+    policy_version: int | None = None  # the learner's (None: never set)
+    max_backlog: int = 0  # entries per stream key at which producers wait (this command's setting)
+    rollout_jobs: int | None = None  # prompts queued for rollout workers (arq), None if unreadable
+    namespace_note: str | None = None  # the namespace has no keys here
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -169,7 +179,15 @@ def parse_heartbeat(keys: Keys, key: str, raw: bytes | None, now: float) -> Work
         pid=int(info.get("pid", 0) or 0), handled=int(info.get("handled", 0) or 0),
         age_s=None if ts is None else round(max(0.0, now - float(ts)), 3),
         started=None if info.get("started") is None else float(info["started"]),
+        outcomes=_counts(info.get("outcomes")), drops=_counts(info.get("drops")),
+        problem=None if not info.get("unhealthy") else str(info["unhealthy"]),
     )
+
+
+def _counts(raw: object) -> dict[str, int]:
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): int(v) for k, v in raw.items() if isinstance(v, int | float) and v}
 
 
 def with_rates(prev: Snapshot | None, cur: Snapshot) -> Snapshot:
@@ -290,7 +308,8 @@ def merge_consumers(rows: list[ConsumerStats]) -> list[ConsumerStats]:
 async def collect(
     redis: aioredis.Redis, keys: Keys, streams: list[str], *, window_s: float = 60.0, cap: int = WINDOW_CAP
 ) -> Snapshot:
-    """One snapshot of ``streams`` (short names), the DLQ length and the live workers."""
+    """One snapshot of ``streams`` (short names), the DLQ length and the live workers (``pipelinestate`` adds the
+    rest of what ``distillq stats`` shows)."""
     now = await server_time(redis)
     shards = await get_shards(redis, keys)
     out: dict[str, StreamStats] = {}

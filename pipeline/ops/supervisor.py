@@ -1,7 +1,9 @@
 """Supervised local worker processes: ``distillq up`` and the demo (the no-docker ``--scale``).
 
 Each process runs in its own session (process group), logs to a file, and is restarted with backoff
-if it dies unexpectedly. ``stop`` sends SIGTERM to every group, waits for a grace period, then
+if it dies unexpectedly; one that exits with status 2 (it refused its configuration) is reported once
+(``process_refused_config``, with its last log line) and not restarted, and one that used up its restarts
+is reported once (``process_gave_up``). ``stop`` sends SIGTERM to every group, waits for a grace period, then
 SIGKILLs what is left: no process outlives the supervisor.
 """
 
@@ -22,6 +24,9 @@ from typing import IO
 import structlog
 
 log = structlog.get_logger("distillq.supervisor")
+
+#: A worker's exit status for a configuration it refuses (``distillq worker``): never restarted.
+EXIT_CONFIG = 2
 
 
 @dataclass
@@ -59,7 +64,7 @@ class Supervisor:
 
     def _spawn(self, p: Proc) -> None:
         if p.log_file is None:
-            p.log_file = open(self.log_dir / f"{p.spec.name}.log", "ab")  # noqa: SIM115
+            p.log_file = open(self.log_path(p), "ab")  # noqa: SIM115
         p.popen = subprocess.Popen(p.spec.argv, env={**self.base_env, **p.spec.env}, stdout=p.log_file,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.debug("process_started", name=p.spec.name, pid=p.popen.pid, restarts=p.restarts)
@@ -77,14 +82,36 @@ class Supervisor:
                     self._spawn(p)
                 continue
             code = p.popen.returncode
-            if code != 0 and p.spec.restart and p.restarts < self.max_restarts:
+            if code == EXIT_CONFIG and p.spec.restart:  # it refused its configuration: a restart would too
+                if p.exit_code is None:
+                    log.error("process_refused_config", name=p.spec.name, code=code, restarted=False,
+                              reason=self.last_line(p), log_file=str(self.log_path(p)))
+                p.exit_code = code
+            elif code != 0 and p.spec.restart and p.restarts < self.max_restarts:
                 p.restarts += 1
                 p.next_start = now + min(30.0, 0.5 * 2**p.restarts)
-                log.warning("process_died", name=p.spec.name, code=code, restart_in=round(p.next_start - now, 1))
+                log.warning("process_died", name=p.spec.name, code=code, restart_in=round(p.next_start - now, 1),
+                            last_line=self.last_line(p))
                 p.popen = None
             else:
+                if p.exit_code is None and code != 0 and p.spec.restart:
+                    log.error("process_gave_up", name=p.spec.name, code=code, restarts=p.restarts,
+                              last_line=self.last_line(p), log_file=str(self.log_path(p)))
                 p.exit_code = code
         return {p.spec.name: p.exit_code for p in self.procs}
+
+    def log_path(self, p: Proc) -> Path:
+        return self.log_dir / f"{p.spec.name}.log"
+
+    def last_line(self, p: Proc) -> str:
+        """The last non-empty line a process wrote to its log (its exit message, usually)."""
+        try:
+            with open(self.log_path(p), "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1][:500] if lines else ""
 
     def alive(self, name: str) -> bool:
         return any(p.spec.name == name and p.popen is not None and p.popen.poll() is None for p in self.procs)

@@ -42,8 +42,10 @@ _JSON: Final = msgspec.json.Encoder()
 
 
 def convert(posted: dict[str, Any], group_id: str | None, policy_version: int, limits: Limits) -> RolloutGroup:
-    """The rollout group for a posted ScoredDataGroup (its distill arrays left for the teacher to redo)."""
-    return rollout_group_from_atropos(posted, group_id=group_id, policy_version=policy_version, limits=limits)
+    """The rollout group for a posted ScoredDataGroup (its distill arrays left for the teacher to redo). Per-token
+    arrays of another length are accepted, as the reference server accepts them, and handed back verbatim."""
+    return rollout_group_from_atropos(posted, group_id=group_id, policy_version=policy_version, limits=limits,
+                                      strict_lengths=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -199,8 +200,17 @@ class Feeder:
                      group_version=h.policy_version, current_version=self.state.policy_version)
             await retry_transient(lambda: self.consumer.ack([d]), deadline_s=60)  # payload deleted with it
             self._count(why)
+            await self._record_drop(h, why)
             return
         self.state.buffer.append(Pending(d.entry_id, h, key, ref=d))
+
+    async def _record_drop(self, h: GroupHeader, why: str) -> None:
+        """Why the group was dropped, for ``distillq where`` (kept as long as the dedupe markers that make a
+        re-push of the group a duplicate). Best effort: a Redis error only loses the note."""
+        note = json.dumps({"reason": why, "group_version": h.policy_version,
+                           "current_version": self.state.policy_version, "at": round(time.time(), 3)})
+        with contextlib.suppress(*TRANSIENT):
+            await self.redis.set(self.keys.dropped(h.group_id), note, ex=max(1, int(self.settings.dedupe_ttl_s)))
 
     async def _header(self, d: Delivery) -> tuple[GroupHeader, str]:
         """The entry's header and payload key; an inline entry is validated and its payload moved to a key."""

@@ -103,6 +103,8 @@ class ScoringStats:
     teacher_calls: int = 0
     retries: int = 0
     clamped_groups: int = 0
+    failing_calls: int = 0  # backend calls in a row that failed as a whole (0 after any call that answered)
+    last_backend_error: str | None = None  # the latest such failure
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     latency_hooks: list[Callable[[float], None]] = field(default_factory=list)
 
@@ -201,6 +203,8 @@ class Scorer:
             return 0, f"bad_override: teacher_top_k={raw!r} is not an integer"
         k = self.config.default_k if raw is None else max(1, raw)
         cap = self.backend.max_k
+        if cap >= 1:  # readers refuse a k above limits.max_k (DISTILLQ_MAX_K): never ask for more
+            cap = min(cap, self.limits.max_k)
         if 1 <= cap < k:  # cap 0: backend not started; it refuses the requests itself
             if self.config.k_over_cap == "drop":
                 return k, f"{K_OVER_CAP}: requested k={k} above the teacher cap {cap}"
@@ -306,6 +310,22 @@ class Scorer:
                 break
         return results
 
+    def _backend_health(self, outs: list[ScoreOutcome]) -> None:
+        """Count calls in a row whose every request failed for a reason other than the answer's content (the
+        backend down or erroring); log ``teacher_backend_failing`` when such a run starts and
+        ``teacher_backend_recovered`` when it ends."""
+        failed = [o for o in outs if isinstance(o, ScoreFailure) and not o.reason.startswith((MISALIGNED, K_OVER_CAP))]
+        st = self.stats
+        if outs and len(failed) == len(outs):
+            st.failing_calls += 1
+            st.last_backend_error = failed[0].reason[:300]
+            if st.failing_calls == 1:
+                log.warning("teacher_backend_failing", error=st.last_backend_error,
+                            hint="groups lose their teacher payload (teacher_error) until it answers again")
+        elif st.failing_calls:
+            log.warning("teacher_backend_recovered", failed_calls=st.failing_calls)
+            st.failing_calls = 0
+
     def _call_limit(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
         if self._calls is None or self._calls[0] is not loop:
@@ -325,6 +345,7 @@ class Scorer:
                     outs = [ScoreFailure(f"{type(e).__name__}: {e}", retryable=True)] * len(batch)
                 self.stats.teacher_calls += 1
                 self.stats.observe_latency(time.perf_counter() - t0)
+                self._backend_health(outs)
             if len(outs) != len(batch):
                 outs = [ScoreFailure(f"{MISALIGNED}: {len(outs)} results for {len(batch)} requests", False)] * len(
                     batch

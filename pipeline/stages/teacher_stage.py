@@ -22,9 +22,13 @@ class TeacherStage:
         scorer.stats.latency_hooks.append(metrics.TEACHER_LATENCY.observe)
 
     def report(self) -> dict[str, object]:
-        """Figures for the heartbeat: groups by status, drops by reason, tokens scored."""
+        """Figures for the heartbeat: groups by status, drops by reason, tokens scored, and ``unhealthy`` (read by
+        ``--check`` and ``distillq stats``) while the backend's latest calls all failed."""
         st = self.scorer.stats
-        return {"status": dict(st.groups), "drops": dict(st.reasons), "tokens_scored": st.tokens_scored}
+        unhealthy = (f"teacher backend failing: last {st.failing_calls} call(s) failed, latest: "
+                     f"{st.last_backend_error}") if st.failing_calls else None
+        return {"status": dict(st.groups), "drops": dict(st.reasons), "tokens_scored": st.tokens_scored,
+                "unhealthy": unhealthy}
 
     async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
         t0 = time.perf_counter()

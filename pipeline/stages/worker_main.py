@@ -99,6 +99,10 @@ async def run_worker(
     return 0
 
 
+def _s(v: object) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
 async def check_health(
     redis_settings: RedisSettings, stage: str, max_age_s: float = 30.0, *, host: str | None = None
 ) -> tuple[bool, str]:
@@ -119,17 +123,24 @@ async def check_health(
             for name in names:
                 p.get(name)
             values = await p.execute()
-        for raw in values:
+        sick: list[str] = []
+        for name, raw in zip(names, values, strict=True):
             if raw is None:
                 continue
             info = json.loads(raw)
             if host is not None and info.get("host") != host:
                 continue
             if now - float(info.get("ts", 0)) <= max_age_s:
-                fresh.append(info)
+                if info.get("unhealthy"):  # alive, but says it cannot do its work (a teacher's backend failing)
+                    sick.append(f"{_s(name).rsplit(':', 1)[-1]}: {info['unhealthy']}")
+                else:
+                    fresh.append(info)
         if not fresh:
             where = f" from host {host!r}" if host is not None else ""
+            if sick:
+                return False, f"{len(sick)} {stage} worker(s) alive{where} but unhealthy: {'; '.join(sick)}"
             return False, f"{len(names)} {stage} heartbeat(s), none{where} fresher than {max_age_s:.0f} s"
-        return True, f"{len(fresh)} {stage} worker(s) healthy"
+        extra = f"; {len(sick)} unhealthy: {'; '.join(sick)}" if sick else ""
+        return True, f"{len(fresh)} {stage} worker(s) healthy{extra}"
     finally:
         await redis.aclose()

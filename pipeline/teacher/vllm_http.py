@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Final
 import httpx
 import msgspec
 import numpy as np
+import structlog
 
 from pipeline.teacher.base import (
     K_OVER_CAP,
@@ -47,6 +48,10 @@ PARSE_INLINE_BELOW: Final = 256 * 1024
 _CAP_RE: Final = re.compile(r"greater than max allowed:?\s*(\d+)?", re.IGNORECASE)
 #: ``prompt_logprobs`` sent by the cap probe; accepted means "no effective cap" up to this value.
 PROBE_K: Final = 1 << 20
+
+log = structlog.get_logger("distillq.teacher")
+#: Seconds between two ``teacher_unreachable`` lines while start-up waits for a server.
+STARTUP_LOG_EVERY_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,14 +187,24 @@ class HTTPTeacher:
         deadline = loop.time() + self.config.startup_timeout_s
         caps = []
         for server in self.pool.servers:
+            tries, next_log = 0, 0.0
             while True:
                 try:
                     await self._check_model(server.url)
                     caps.append(await self._probe_cap(server.url))
+                    if tries:
+                        log.info("teacher_reachable", url=server.url, tries=tries + 1)
                     break
                 except (httpx.TransportError, httpx.TimeoutException) as e:
-                    if loop.time() >= deadline:
-                        raise TeacherConfigError(f"teacher {server.url} unreachable: {e!r}") from e
+                    tries += 1
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise TeacherConfigError(f"teacher {server.url} unreachable ({tries} tries in "
+                                                 f"{self.config.startup_timeout_s:g} s): {e!r}") from e
+                    if loop.time() >= next_log:  # at once, then every STARTUP_LOG_EVERY_S
+                        log.warning("teacher_unreachable", url=server.url, error=repr(e), tries=tries,
+                                    retrying_every_s=1.0, gives_up_in_s=round(left, 1))
+                        next_log = loop.time() + STARTUP_LOG_EVERY_S
                     await asyncio.sleep(1.0)
         self._max_k = min(caps)
         if self.config.k > self._max_k:

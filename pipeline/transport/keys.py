@@ -19,6 +19,8 @@ key                                                type          written by / me
 ``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
 ``ns:policy_version``                              string        learner: current policy version (int)
 ``ns:kl``                                          string        feeder: KL controller state (JSON)
+``ns:dropped:<group id>``                          string (TTL)  feeder: why it dropped a group (stale, no payload;
+                                                                 JSON), for ``distillq where``
 ``ns:config``                                      hash          pipeline settings all workers agree on (shards)
 ``ns:arq:*``                                       (arq)         rollout job queue, owned by arq (transport.jobs)
 ``{ns:atropos}:trainer``                           hash          ``serve atropos``: the trainer's registration
@@ -187,6 +189,10 @@ class Keys:
     @property
     def kl_state(self) -> str:
         return f"{self.namespace}:kl"
+
+    def dropped(self, group_id: str) -> str:
+        """Why the feeder dropped a group (JSON: reason, versions, time); lives ``dedupe_ttl_s``."""
+        return f"{self.namespace}:dropped:{group_id}"
 
     @property
     def config(self) -> str:

@@ -383,7 +383,8 @@ async def test_push_good_file_lands_on_the_stream(
     path = tmp_path / "groups.jsonl"
     path.write_text("\n".join(json.dumps(to_atropos(g)) for g in groups) + "\n\n")
     code, out, err = await cli(capsys, redis_url, keys, "push", str(path))
-    assert code == 0 and out == "pushed 3 group(s) onto rollouts\n" and err == ""  # success goes to stdout
+    assert code == 0 and out == f"pushed 3 group(s) onto rollouts in namespace '{keys.namespace}'\n"  # stdout
+    assert err.startswith(f"note: namespace '{keys.namespace}' has no keys in this Redis")  # the first push
     rows = await r.xrange(keys.stream("rollouts"))
     back = [decode(f[b"d"], expect=RolloutGroup) for _, f in rows]
     assert [g.group_id for g in back] == ["p0", "p1", "p2"]
@@ -420,7 +421,7 @@ async def test_push_lines_without_group_id_get_a_content_id_and_repush_is_dedupl
     path = tmp_path / "nogid.jsonl"
     path.write_text(f"{json.dumps(a)}\n{json.dumps(b)}\n")
     code, out, _ = await cli(capsys, redis_url, keys, "push", str(path))
-    assert code == 0 and out == "pushed 2 group(s) onto rollouts\n"
+    assert code == 0 and out == f"pushed 2 group(s) onto rollouts in namespace '{keys.namespace}'\n"
     ids = [decode(f[b"d"], expect=RolloutGroup).group_id for _, f in await r.xrange(keys.stream("rollouts"))]
     assert len(set(ids)) == 2 and all(i.startswith("sha256-") and len(i) == len("sha256-") + 32 for i in ids)
     assert ids == [content_group_id(a), content_group_id(b)]  # the function the server and the SDK use too
@@ -430,13 +431,15 @@ async def test_push_lines_without_group_id_get_a_content_id_and_repush_is_dedupl
     reordered.write_text("\n".join(json.dumps(dict(reversed(list(o.items()))), indent=None, separators=(", ", ": "))
                                    for o in (b, a)) + "\n")
     code, out, _ = await cli(capsys, redis_url, keys, "push", str(reordered))
-    assert code == 0 and out == "pushed 0 group(s) onto rollouts (2 already present, skipped)\n"
+    assert code == 0
+    assert out == f"pushed 0 group(s) onto rollouts in namespace '{keys.namespace}' (2 already present, skipped)\n"
     assert await r.xlen(keys.stream("rollouts")) == 2
 
     changed = dict(a, scores=[s + 1.0 for s in a["scores"]])  # other content: another id
     path.write_text(json.dumps(changed) + "\n")
     code, out, _ = await cli(capsys, redis_url, keys, "push", str(path))
-    assert code == 0 and out == "pushed 1 group(s) onto rollouts\n" and await r.xlen(keys.stream("rollouts")) == 3
+    assert code == 0 and out == f"pushed 1 group(s) onto rollouts in namespace '{keys.namespace}'\n"
+    assert await r.xlen(keys.stream("rollouts")) == 3
 
 
 async def test_push_empty_file_says_so_and_fails(

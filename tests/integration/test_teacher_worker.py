@@ -97,7 +97,8 @@ def test_teacher_worker_end_to_end(tmp_path: Path, redis_url: str, keys: Keys, t
 
 
 def test_teacher_refuses_mismatched_vocab_and_k_over_cap(tmp_path: Path, redis_url: str, keys: Keys,
-                                                         tiny: TinyModels, capsys: pytest.CaptureFixture[str]) -> None:
+                                                         tiny: TinyModels, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoTokenizer
 
     other = tmp_path / "other-tok"
@@ -109,6 +110,10 @@ def test_teacher_refuses_mismatched_vocab_and_k_over_cap(tmp_path: Path, redis_u
                  "--student-tokenizer", str(other), "--top-k", "5", *common])
     assert code == 2
     assert "vocab" in capsys.readouterr().err.lower()
+    code = main(["worker", "teacher", "--backend", "hf", "--model", str(tiny.teacher), "--top-k", "100000", *common])
+    assert code == 2
+    assert "--top-k 100000 exceeds DISTILLQ_MAX_K=256" in capsys.readouterr().err  # what readers accept
+    monkeypatch.setenv("DISTILLQ_MAX_K", "1000000")
     code = main(["worker", "teacher", "--backend", "hf", "--model", str(tiny.teacher), "--top-k", "100000", *common])
     assert code == 2
     assert "exceeds the teacher's logprob cap" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from schemas.atropos import (
     STASH,
     content_group_id,
     rollout_from_atropos,
+    rollout_group_from_atropos,
     to_atropos,
 )
 from schemas.build import make_sequence, no_teacher_reason, synthetic_rollout, synthetic_scored
@@ -325,12 +327,13 @@ def test_float64_values_come_back_equal_and_float32_ones_cost_nothing_extra() ->
 
 
 def test_lengths_the_reference_accepts_are_accepted_and_given_back() -> None:
-    """No cross-field length checks on advantages, ref_logprobs, inference_logprobs, messages, overrides."""
+    """With strict_lengths=False (the Atropos server), no cross-field length checks on advantages, ref_logprobs,
+    inference_logprobs, messages, overrides."""
     ref: dict[str, Any] = {"tokens": [[1, 2, 3], [4, 5]], "masks": [[-100, 2, 3], [-100, 5]], "scores": [1.0, 0.0],
                            "advantages": [[0.5] * 5, [0.5, 0.5]], "ref_logprobs": [[-1.0, -1.0, -1.0]],
                            "inference_logprobs": [[1.0, -0.5], [1.0, -0.25]], "messages": [],
                            "overrides": [{"temperature": 0.5}]}
-    msg = rollout_from_atropos(ref)
+    msg = rollout_from_atropos(ref, strict_lengths=False)
     seqs = group_of(msg).sequences
     assert seqs[0].advantages is None and seqs[1].advantages is not None  # only what fits reaches our wire
     assert seqs[0].logprobs is None and seqs[1].logprobs is not None
@@ -338,6 +341,36 @@ def test_lengths_the_reference_accepts_are_accepted_and_given_back() -> None:
     out = to_atropos(decode(encode(msg)))  # type: ignore[arg-type]
     for key in ("advantages", "ref_logprobs", "inference_logprobs", "messages", "overrides"):
         assert out[key] == ref[key], key
+
+
+@pytest.mark.parametrize(("key", "value", "field", "reason"), [
+    ("inference_logprobs", [[1.0, -0.5, -0.5], [1.0]], "inference_logprobs[1]", "1 values for 2 tokens"),
+    ("advantages", [[0.5] * 5, [0.5, 0.5]], "advantages[0]", "5 values for 3 tokens"),
+    ("ref_logprobs", [[-1.0, -1.0, -1.0]], "ref_logprobs", "1 rows for 2 sequences"),
+    ("inference_logprobs", [[1.0, -0.5, -0.5], None], "inference_logprobs[1]", "null"),
+])
+def test_per_token_arrays_of_another_length_are_refused_naming_the_field(
+        key: str, value: Any, field: str, reason: str) -> None:
+    """By default a per-token array must hold one number per token: a short one would reach the learner as no
+    student logprobs (advantages 0), so it is refused with the field and both lengths."""
+    ref: dict[str, Any] = {"tokens": [[1, 2, 3], [4, 5]], "masks": [[-100, 2, 3], [-100, 5]], "scores": [1.0, 0.0],
+                           key: value}
+    for convert in (rollout_from_atropos, rollout_group_from_atropos):
+        with pytest.raises(DecodeError) as err:
+            convert(ref)
+        assert err.value.field == field and reason in err.value.reason
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"loss_mask": [0, 1, 1]}, "loss_mask: 3 values for 4 tokens"),
+    ({"logprobs": [-0.5]}, "logprobs: 1 values for 4 tokens"),
+    ({"advantages": [0.0] * 6}, "advantages: 6 values for 4 tokens"),
+    ({"ref_logprobs": [[0.0] * 4]}, "ref_logprobs: shape (1, 4) for 4 tokens"),
+])
+def test_make_sequence_names_the_array_of_another_length(kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {"loss_mask": [0, 1, 1, 1], **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_sequence([1, 2, 3, 4], args.pop("loss_mask"), **args)
 
 
 def test_env_id_null_and_images_are_kept() -> None:

@@ -21,9 +21,17 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 
 from pipeline.config import StreamSettings
-from pipeline.ops.cli.common import add_command, add_redis_args, run, with_redis
+from pipeline.ops.cli.common import (
+    add_command,
+    add_redis_args,
+    namespace_keys,
+    redis_settings_from_args,
+    run,
+    with_redis,
+)
 from pipeline.ops.cli.errors import EXIT_USAGE, CliError
 from pipeline.ops.inspect import one_line, summarize_entry, summarize_message
+from pipeline.ops.namespaces import absent_note
 from pipeline.ops.streamstats import server_time
 from pipeline.transport.claimcheck import encode_header
 from pipeline.transport.keys import Keys
@@ -235,6 +243,8 @@ async def _entries(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace
 
 async def dlq_replay(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     settings = StreamSettings()
+    await _note_absent(redis, keys)  # asks Redis first: an unreachable one is one line on stderr, nothing else
+    print(f"replaying dead letters of namespace {keys.namespace!r} ({keys.dlq})", flush=True)
     done = total = 0
     async for eid, fields in _entries(redis, keys, args):
         total += 1
@@ -255,8 +265,15 @@ def _successor(entry_id: str) -> str:
     return f"{ms}-{int(seq or 0) + 1}"
 
 
+async def _note_absent(redis: aioredis.Redis, keys: Keys) -> None:
+    note = await absent_note(redis, keys)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+
+
 async def purge_plan(redis: aioredis.Redis, keys: Keys, older_than: float | None) -> tuple[int, str]:
     """(entries to delete, MINID threshold): ids below the threshold go."""
+    await _note_absent(redis, keys)
     upto = "+"
     if older_than is not None:
         cutoff_ms = int((await server_time(redis) - older_than) * 1000)
@@ -269,12 +286,12 @@ async def purge(redis: aioredis.Redis, keys: Keys, threshold: str) -> int:
     return int(await redis.xtrim(keys.dlq, minid=threshold, approximate=False))
 
 
-def _confirm(n: int, key: str) -> bool | None:
+def _confirm(n: int, what: str) -> bool | None:
     """True/False from the operator, None when there is no terminal to ask on."""
     if sys.stdin is None or not sys.stdin.isatty():
         return None
     try:
-        answer = input(f"Delete {n} dead letter(s) from {key}? [y/N] ")
+        answer = input(f"Delete {n} {what}? [y/N] ")
     except EOFError:
         return False
     return answer.strip().lower() in ("y", "yes")
@@ -299,18 +316,21 @@ def main_replay(args: argparse.Namespace) -> int:
 
 def main_purge(args: argparse.Namespace) -> int:
     n, threshold = run(with_redis(args, lambda r, k: purge_plan(r, k, args.older_than)))
+    keys = namespace_keys(redis_settings_from_args(args))
     what = "dead letter(s)" + (f" older than {args.older_than:g} s" if args.older_than is not None else "")
+    where = f"of namespace {keys.namespace!r} ({keys.dlq})"
     if n == 0:
-        print(f"no {what} to delete")
+        print(f"no {what} to delete {where}")
         return 0
     if not args.yes:
-        ok = _confirm(n, "the DLQ")
+        ok = _confirm(n, f"{what} {where}")
         if ok is None:
-            print(f"dlq purge: {n} {what} would be deleted; no terminal to confirm on, pass --yes", file=sys.stderr)
+            print(f"dlq purge: {n} {what} {where} would be deleted; no terminal to confirm on, pass --yes",
+                  file=sys.stderr)
             return 2
         if not ok:
             print("nothing deleted")
             return 1
     deleted = run(with_redis(args, lambda r, k: purge(r, k, threshold)))
-    print(f"deleted {deleted} {what}")
+    print(f"deleted {deleted} {what} {where}")
     return 0

@@ -71,6 +71,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(str(e), EXIT_USAGE) from e
     run(ensure_reachable(rs, rs.jobs_redis_url))  # arq would retry and log five times first
     new, old = run(enqueue_prompts(rs, keys, jobs, epoch=args.epoch))
-    print(f"enqueued {new} prompt(s) for epoch {args.epoch}" + (f"; {old} already enqueued" if old else ""),
+    print(f"enqueued {new} prompt(s) for epoch {args.epoch} in namespace {keys.namespace!r}"
+          + (f"; {old} already enqueued" if old else ""),
           file=sys.stdout, flush=True)
     return 0

@@ -11,16 +11,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import redis.asyncio as aioredis
 
 from pipeline.config import StreamSettings
-from pipeline.ops.cli.common import add_command, add_redis_args, read_input, report_bad_lines, run, with_redis
+from pipeline.ops.cli.common import (
+    add_command,
+    add_redis_args,
+    read_input,
+    redis_settings_from_args,
+    report_bad_lines,
+    run,
+    with_redis,
+)
 from pipeline.ops.cli.errors import EXIT_FAILED, CliError
+from pipeline.ops.namespaces import absent_note
 from pipeline.transport.keys import STREAMS, Keys
-from pipeline.transport.producer import AddResult, StreamProducer
+from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer, message_id
 from pipeline.transport.sharding import get_shards
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
 from schemas.atropos import rollout_from_atropos
@@ -51,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "the group; scored: every line must carry distill_token_ids/distill_logprobs")
     p.add_argument("--policy-version", type=int, default=0, metavar="N",
                    help="policy version for lines without policy_version")
+    p.add_argument("--force", action="store_true",
+                   help="push groups whose id was pushed before (within DISTILLQ_DEDUPE_TTL_S): their dedupe markers "
+                        "on rollouts and scored are cleared first; one already batched is still never batched "
+                        "twice (default: skip them)")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -87,16 +101,47 @@ def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list
     return msgs, errors
 
 
-async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Message]) -> tuple[int, int]:
-    producer = StreamProducer(redis, keys, stream, StreamSettings(), shards=await get_shards(redis, keys))
-    added = dup = 0
-    for m in msgs:
-        res = await producer.send(m)
+@dataclass(slots=True)
+class PushResult:
+    added: int = 0
+    duplicates: list[str] = field(default_factory=list)  # group ids skipped as already present
+
+
+async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Message], *,
+                   force: bool = False) -> PushResult:
+    """Send ``msgs`` in order. A ``CliError`` (exit status 1) when the stream stays full, saying how many
+    got in: the rest were not written, and pushing the same file again skips those that were."""
+    settings = StreamSettings()
+    shards = await get_shards(redis, keys)
+    producer = StreamProducer(redis, keys, stream, settings, shards=shards)
+    note = await absent_note(redis, keys)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    out = PushResult()
+    for n, m in enumerate(msgs):
+        gid = message_id(m)
+        if force:
+            await clear_markers(redis, keys, gid, shards)
+        try:
+            res = await producer.send(m)
+        except BackpressureTimeout as e:
+            raise CliError(
+                f"pushed {out.added} of {len(msgs)} group(s) onto {stream} in namespace {keys.namespace!r}, then "
+                f"it stayed full: {e}; the other {len(msgs) - n} were not pushed (push the file again once it "
+                "drains: groups already pushed are skipped)", EXIT_FAILED) from e
         if res.result is AddResult.ADDED:
-            added += 1
+            out.added += 1
         else:
-            dup += 1
-    return added, dup
+            out.duplicates.append(gid)
+    return out
+
+
+async def clear_markers(redis: aioredis.Redis, keys: Keys, group_id: str, shards: int) -> None:
+    """Forget that ``group_id`` was written to rollouts and scored (and why the feeder dropped it), so that it
+    flows through the teacher again; its ``batches`` marker stays: a group is never batched twice."""
+    for key in (keys.seen("rollouts", group_id, shards), keys.seen("scored", group_id, shards),
+                keys.dropped(group_id)):
+        await redis.delete(key)  # one key per call: they live in different slots on a cluster
 
 
 def main(args: argparse.Namespace) -> int:
@@ -105,7 +150,15 @@ def main(args: argparse.Namespace) -> int:
         return report_bad_lines(args.file, errors, "pushed")
     if not msgs:
         raise CliError(f"no groups in {args.file}; nothing pushed", EXIT_FAILED)
-    added, dup = run(with_redis(args, lambda r, k: push_all(r, k, args.stream, msgs)))
-    print(f"pushed {added} group(s) onto {args.stream}" + (f" ({dup} already present, skipped)" if dup else ""),
-          file=sys.stdout, flush=True)
+    res = run(with_redis(args, lambda r, k: push_all(r, k, args.stream, msgs, force=args.force)))
+    ns = redis_settings_from_args(args).namespace
+    dup = len(res.duplicates)
+    print(f"pushed {res.added} group(s) onto {args.stream} in namespace {ns!r}"
+          + (f" ({dup} already present, skipped)" if dup else ""), file=sys.stdout, flush=True)
+    if dup:
+        ttl_h = StreamSettings().dedupe_ttl_s / 3600
+        print(f"{dup} group id(s) were pushed onto {args.stream} before, within the last {ttl_h:g} h "
+              f"(DISTILLQ_DEDUPE_TTL_S), e.g. {res.duplicates[0]}: a group id goes onto a stream once. "
+              f"distillq where {res.duplicates[0]} shows what became of it; distillq push --force pushes them again",
+              file=sys.stderr, flush=True)
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.ops.cli.common import add_command, add_redis_args, run, with_redis
+from pipeline.ops.cli.common import add_command, add_redis_args, redis_settings_from_args, run, with_redis
 from pipeline.transport.sharding import ShardConfigError, get_shards, set_shards
 
 
@@ -41,5 +41,6 @@ def main(args: argparse.Namespace) -> int:
     except ShardConfigError as e:
         print(f"distillq shards: {e}", file=sys.stderr)
         return 1
-    print(f"shards: {old} -> {args.count}; restart the workers so they read it")
+    ns = redis_settings_from_args(args).namespace
+    print(f"shards of namespace {ns!r}: {old} -> {args.count}; restart the workers so they read it")
     return 0

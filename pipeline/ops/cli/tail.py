@@ -34,7 +34,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--format", choices=["summary", "atropos"], default="summary",
                    help="summary: one line per entry; atropos: the reference ScoredDataGroup layout plus entry_id, "
                         "one JSON object per line (groups only)")
-    p.add_argument("--group-id", default=None, metavar="ID", help="only entries of this group id (default: all)")
+    p.add_argument("--group-id", default=None, metavar="ID",
+                   help="only entries of this group id, and batches holding it (default: all); distillq where ID "
+                        "looks in every stream")
     p.add_argument("--status", choices=["ok", "skipped", "dropped"], default=None,
                    help="only scored groups with this status (default: all)")
     p.add_argument("--decode", action="store_true",
@@ -50,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _matches(args: argparse.Namespace, summary: dict[str, Any]) -> bool:
-    if args.group_id is not None and summary.get("group_id") != args.group_id:
+    if args.group_id is not None and args.group_id != summary.get("group_id") \
+            and args.group_id not in summary.get("group_ids", ()):  # a batch holds several groups
         return False
     return args.status is None or summary.get("status") == args.status
 
