@@ -82,7 +82,7 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-sessions", type=int, default=4096, help="rollouts tracked at once (LRU eviction)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20,
-                   help="request bodies above this many bytes are refused with 413 (default: 32 MiB)")
+                   help="request bodies above this many bytes are refused with 413 (default: 33554432, 32 MiB)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument(
         "--api-key-var",

@@ -91,17 +91,22 @@ class Replica:
     """``distillq serve atropos`` as a process on its own port, killed or stopped by its pid."""
 
     def __init__(self, redis_url: str, namespace: str, log: Path) -> None:
-        self.port, self.log = free_port(), log
-        self.argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--port", str(self.port),
-                     "--redis-url", redis_url, "--namespace", namespace, "--lease-s", "3"]
+        self.log, self.port = log, 0
+        self.argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--redis-url", redis_url,
+                     "--namespace", namespace, "--lease-s", "3"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        """On a fresh port each time (a restarted replica's old port may meanwhile be some socket's own)."""
+        self.port = free_port()
         env = {**os.environ, "DISTILLQ_BLOCK_MS": "100", "DISTILLQ_CLAIM_IDLE_MS": "2000",
                "DISTILLQ_CLAIM_INTERVAL_MS": "200"}
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        wait_for(lambda: _up(f"http://127.0.0.1:{self.port}"), 60, "a replica")
+            self.proc = subprocess.Popen([*self.argv, "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, cwd=ROOT)
+        proc = self.proc
+        wait_for(lambda: proc.poll() is not None or _up(f"http://127.0.0.1:{self.port}"), 60, "a replica")
+        assert proc.poll() is None, self.log.read_text()[-2000:]
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -168,9 +173,10 @@ def request(method: str, url: str, **kw: Any) -> httpx.Response:
     raise AssertionError("unreachable")
 
 
-async def train(url: str, tasks: list[asyncio.Task[Any]], victim: Replica) -> tuple[dict[str, Any], int | None]:
+async def train(url: str, tasks: list[asyncio.Task[Any]], victim: Replica, proxy: RoundRobinProxy
+                ) -> tuple[dict[str, Any], int | None]:
     """A leasing trainer until every group is in: batches by id; after the third, ``victim`` is killed with
-    SIGKILL and started again."""
+    SIGKILL and started again (the balancer then sends to its new port)."""
     batches: dict[str, list[dict[str, Any]]] = {}
     killed_at = None
 
@@ -191,9 +197,12 @@ async def train(url: str, tasks: list[asyncio.Task[Any]], victim: Replica) -> tu
         assert ack.status_code in (200, 404), ack.text  # 404: acked by a request whose answer was lost
         if killed_at is None and len(batches) >= 3:  # mid-run: kill one, then bring it back
             killed_at = len(batches)
+            old = victim.port
             await asyncio.to_thread(victim.kill)
             await asyncio.sleep(1.0)
             await asyncio.to_thread(victim.start)
+            proxy.backends = [victim.port if p == old else p for p in proxy.backends]
+            proxy.connections[victim.port] += proxy.connections.pop(old, 0)
     return batches, killed_at
 
 
@@ -220,7 +229,7 @@ async def test_two_replicas_behind_a_balancer_survive_a_kill(
             envs = [make_env(url, tiny.tokenizer, name) for name in ("alpha", "beta")]
             tasks = [asyncio.create_task(e.env_manager()) for e in envs]
             try:
-                batches, killed_at = await train(url, tasks, a)
+                batches, killed_at = await train(url, tasks, a, proxy)
                 assert not any(t.done() for t in tasks)  # the environments are still running
             finally:
                 for t in tasks:
