@@ -12,6 +12,7 @@ so what the client records and what distillq pushes are the same numbers, bit fo
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import uuid
@@ -121,6 +122,7 @@ class ServedBackend:
     def __init__(self, backend: StudentBackend, max_model_len: int) -> None:
         self.backend = backend
         self.max_model_len = max_model_len
+        self.takes_stop_strings = "stop" in inspect.signature(backend.generate).parameters
 
     @property
     def tokenizer(self) -> Any:
@@ -198,6 +200,8 @@ class StudentService:
         except RequestError as e:
             raise ServeError(400, e.message, param=e.param) from e
         stop_kw: dict[str, Any] = {}
+        if stop and not self.backend.takes_stop_strings:
+            raise ServeError(400, "sampling_params.stop: this backend does not take stop strings", param="stop")
         if stop:  # only then: backends without stop strings are called as before
             stop_kw = {"stop": stop, "include_stop_str_in_output": sp.include_stop_str_in_output,
                        "skip_special_tokens": sp.skip_special_tokens}
