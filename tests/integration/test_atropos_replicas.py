@@ -24,14 +24,14 @@ import redis
 
 from pipeline.models.tinymodels import TinyModels, ensure_tiny_models
 from pipeline.transport.keys import Keys
-from tests.integration.test_serve_atropos import REGISTRATION, TeacherThread, _up, wait_for
+from tests.integration.test_serve_atropos import REGISTRATION, TeacherThread
 from tests.redis_server import free_port
 
 pytest.importorskip("atroposlib", reason="atroposlib 0.4.0 not installed: pip install atroposlib==0.4.0")
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
-ITEMS = 14  # groups per environment (2 sequences each)
+ITEMS = 14  # groups per environment (2 sequences each, a batch each: batch_size 2)
 
 
 class RoundRobinProxy:
@@ -97,17 +97,22 @@ class Replica:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        """On a fresh port each time (a restarted replica's old port may meanwhile be some socket's own)."""
-        self.port = free_port()
+        """On a fresh port each time (a restarted replica's old port may meanwhile be some socket's own); a
+        port taken by another process between its choice and the bind is given up for another."""
         env = {**os.environ, "DISTILLQ_BLOCK_MS": "100", "DISTILLQ_CLAIM_IDLE_MS": "2000",
                "DISTILLQ_CLAIM_INTERVAL_MS": "200"}
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([*self.argv, "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
-                                         env=env, cwd=ROOT)
-        proc = self.proc
-        wait_for(lambda: proc.poll() is not None or _up(f"http://127.0.0.1:{self.port}"), 60, "a replica")
-        assert proc.poll() is None, self.log.read_text()[-2000:]
-
+        for _ in range(5):
+            self.port = free_port()
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen([*self.argv, "--port", str(self.port)], stdout=out,
+                                             stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            proc, deadline = self.proc, time.monotonic() + 90
+            while proc.poll() is None and time.monotonic() < deadline:
+                if _answers(self.port):
+                    return
+                time.sleep(0.1)
+            self.stop()
+        raise AssertionError(f"no replica started:\n{self.log.read_text()[-2000:]}")
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
@@ -117,6 +122,15 @@ class Replica:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(20)
+
+
+def _answers(port: int) -> bool:
+    """Whether an Atropos server answers on ``port`` (quickly: another kind of server may hold the port)."""
+    try:
+        resp = httpx.get(f"http://127.0.0.1:{port}/info", timeout=2)
+    except httpx.HTTPError:
+        return False
+    return resp.status_code == 200 and set(resp.json()) == {"batch_size", "max_token_len"}
 
 
 def make_env(url: str, tokenizer: Path, name: str) -> Any:
@@ -173,8 +187,8 @@ def request(method: str, url: str, **kw: Any) -> httpx.Response:
     raise AssertionError("unreachable")
 
 
-async def train(url: str, tasks: list[asyncio.Task[Any]], victim: Replica, proxy: RoundRobinProxy
-                ) -> tuple[dict[str, Any], int | None]:
+async def train(url: str, tasks: list[asyncio.Task[Any]], envs: list[Any], victim: Replica, proxy: RoundRobinProxy,
+                diagnose: Any) -> tuple[dict[str, Any], int | None]:
     """A leasing trainer until every group is in: batches by id; after the third, ``victim`` is killed with
     SIGKILL and started again (the balancer then sends to its new port)."""
     batches: dict[str, list[dict[str, Any]]] = {}
@@ -184,8 +198,15 @@ async def train(url: str, tasks: list[asyncio.Task[Any]], victim: Replica, proxy
         return request("GET", url + "/batch", params={"lease": 1}).json()
 
     deadline = time.monotonic() + 200
-    while sum(len(x) for x in batches.values()) < 2 * ITEMS:
-        assert time.monotonic() < deadline, f"only {sum(len(x) for x in batches.values())} groups"
+    def done() -> bool:  # every group the envs made (an item run again makes the same group) handed out
+        handed = {json.dumps(g["tokens"]) for batch in batches.values() for g in batch}
+        return all(e.i >= ITEMS for e in envs) and {json.dumps(t) for e in envs for t in e.made} <= handed
+
+    while not done():
+        if time.monotonic() > deadline:
+            posted = [len({json.dumps(t) for t in e.made}) for e in envs]
+            raise AssertionError(f"only {sum(len(x) for x in batches.values())} groups; made {posted}; "
+                                 f"status {request('GET', url + '/status').json()}; {diagnose()}")
         assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
         got = await asyncio.to_thread(take)
         if got.get("batch") is None:
@@ -224,12 +245,19 @@ async def test_two_replicas_behind_a_balancer_survive_a_kill(
         with RoundRobinProxy([a.port, b.port]) as proxy, TeacherThread(redis_url, keys.namespace):
             url = f"http://127.0.0.1:{proxy.port}"
             assert (await asyncio.to_thread(request, "POST", url + "/register",
-                                            json={**REGISTRATION, "batch_size": 4})).status_code == 200
+                                            json={**REGISTRATION, "batch_size": 2})).status_code == 200
             assert (await asyncio.to_thread(request, "GET", url + "/batch")).json() == {"batch": None}
             envs = [make_env(url, tiny.tokenizer, name) for name in ("alpha", "beta")]
             tasks = [asyncio.create_task(e.env_manager()) for e in envs]
             try:
-                batches, killed_at = await train(url, tasks, a, proxy)
+                def diagnose() -> dict[str, Any]:
+                    return {"rollouts": r.xlen(keys.stream("rollouts")), "scored": r.xlen(keys.stream("scored")),
+                            "queue": r.xlen(keys.atropos("queue")), "inflight": r.hlen(keys.atropos("inflight")),
+                            "leases": r.hlen(keys.atropos("leases")), "dlq": r.xlen(keys.dlq),
+                            "pending": r.xpending(keys.stream("scored"), "feeder") if r.exists(
+                                keys.stream("scored")) else None}
+
+                batches, killed_at = await train(url, tasks, envs, a, proxy, diagnose)
                 assert not any(t.done() for t in tasks)  # the environments are still running
             finally:
                 for t in tasks:
@@ -247,7 +275,7 @@ async def test_two_replicas_behind_a_balancer_survive_a_kill(
     handed = Counter(json.dumps(g["tokens"]) for batch in batches.values() for g in batch)
     assert len(made) == 2 * ITEMS and set(handed) == set(made)  # none lost
     assert max(handed.values()) == 1  # none twice
-    assert all(sum(len(g["tokens"]) for g in batch) == 4 for batch in batches.values())
+    assert all(len(batch) == 1 and len(batch[0]["tokens"]) == 2 for batch in batches.values())
     assert status["current_step"] == len(batches)  # one step per batch, whichever replica handed it out
     assert sorted((e["registered_id"], e["real_name"]) for e in registered) == [(0, "alpha_0"), (1, "beta_0")]
     assert sorted(e.env_id for e in envs) == [0, 1]
