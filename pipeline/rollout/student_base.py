@@ -30,6 +30,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (end-of-sequence / stop token, which is included) or "length"
+    stop_reason: int | str | None = None  # as vLLM: the stop string or stop token id that ended it (None on EOS)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -81,7 +82,9 @@ class StudentBackend(Protocol):
         stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
     ) -> list[Completion]:
-        """Sample ``n`` continuations of ``prompt_ids``, in choice order."""
+        """Sample ``n`` continuations of ``prompt_ids``, in choice order. Backends that take stop strings
+        (``HFStudent``, ``VLLMStudent``) also accept ``stop``, ``include_stop_str_in_output`` and
+        ``skip_special_tokens`` keywords, with vLLM's meaning (``pipeline.rollout.stop_strings``)."""
         ...
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.models.kvcache import output_cache, with_cache
+from pipeline.rollout.stop_strings import StopStringChecker
 from pipeline.rollout.student_base import Completion, check_request
 
 
@@ -89,10 +90,23 @@ class HFStudent:
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
     ) -> list[Completion]:
+        """``stop`` strings end a completion as vLLM ends it (``pipeline.rollout.stop_strings``): at the token
+        that completes one, that token included, ``stop_reason`` the string."""
         check_request(prompt_ids, n, max_tokens, temperature, top_p)
         stops = self.eos_token_ids | {int(t) for t in stop_token_ids}
-        return await asyncio.to_thread(self._generate, list(prompt_ids), n, max_tokens, temperature, top_p, stops, seed)
+        checkers = [
+            StopStringChecker(self._tokenizer, prompt_ids, stop, include_stop_str_in_output=include_stop_str_in_output,
+                              skip_special_tokens=skip_special_tokens)
+            for _ in range(n)
+        ] if any(stop) else None  # fmt: skip
+        return await asyncio.to_thread(
+            self._generate, list(prompt_ids), n, max_tokens, temperature, top_p, stops, seed, checkers,
+            {int(t) for t in stop_token_ids} - self.eos_token_ids,
+        )  # fmt: skip
 
     def _generate(
         self,
@@ -103,6 +117,8 @@ class HFStudent:
         top_p: float,
         stops: set[int],
         seed: int | None,
+        checkers: list[StopStringChecker] | None = None,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
     ) -> list[Completion]:
         gen = torch.Generator()
         if seed is None:
@@ -112,6 +128,7 @@ class HFStudent:
         tokens: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
+        reason: list[int | str | None] = [None] * n
         if max_tokens == 0:
             return [Completion([], [], "length") for _ in range(n)]
         with self._lock, torch.inference_mode():
@@ -125,10 +142,12 @@ class HFStudent:
                     tok = int(nxt[i])
                     tokens[i].append(tok)
                     lps[i].append(float(chosen[i]))
-                    if tok in stops:
+                    hit = checkers[i].step(tok, stop_token=tok in stops) if checkers else None
+                    if tok in stops or hit is not None:
                         finish[i] = "stop"
+                        reason[i] = hit if hit is not None else (tok if tok in stop_ids else None)
                         active.discard(i)
                 if not active or step == max_tokens - 1:
                     break
                 out = self.model(input_ids=nxt[:, None], **with_cache(self.model, output_cache(out)), use_cache=True)
-        return [Completion(t, lp, f) for t, lp, f in zip(tokens, lps, finish, strict=True)]
+        return [Completion(t, lp, f, r) for t, lp, f, r in zip(tokens, lps, finish, reason, strict=True)]

@@ -53,7 +53,9 @@ def parse_choice(choice: dict[str, Any]) -> Completion:
     if any(x is None for x in logprobs):
         raise StudentBackendError("choice has a null logprob for a sampled token")
     finish = choice.get("finish_reason") or "length"
-    return Completion([int(i) for i in ids], [float(x) for x in logprobs], str(finish))
+    reason = choice.get("stop_reason")
+    reason = reason if isinstance(reason, int | str) and not isinstance(reason, bool) else None
+    return Completion([int(i) for i in ids], [float(x) for x in logprobs], str(finish), reason)
 
 
 class VLLMStudent:
@@ -104,6 +106,9 @@ class VLLMStudent:
         top_p: float,
         stop_token_ids: Sequence[int],
         seed: int | None,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
@@ -120,6 +125,9 @@ class VLLMStudent:
             body["stop_token_ids"] = [int(t) for t in stop_token_ids]
         if seed is not None:
             body["seed"] = seed
+        if any(stop):  # vLLM applies them; the completion's token ids are recorded as returned
+            body.update(stop=[s for s in stop if s], include_stop_str_in_output=include_stop_str_in_output,
+                        skip_special_tokens=skip_special_tokens)
         body.update(self.extra_body)
         return body
 
@@ -133,6 +141,9 @@ class VLLMStudent:
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
     ) -> list[Completion]:
         check_request(prompt_ids, n, max_tokens, temperature, top_p)
         body = self.request_body(
@@ -143,6 +154,9 @@ class VLLMStudent:
             top_p=top_p,
             stop_token_ids=stop_token_ids,
             seed=seed,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
+            skip_special_tokens=skip_special_tokens,
         )
         data = await self._request("POST", "/v1/completions", json=body)
         choices = sorted(data.get("choices") or [], key=lambda c: int(c.get("index", 0)))

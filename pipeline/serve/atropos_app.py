@@ -1,9 +1,10 @@
 """The Atropos-compatible HTTP server (``distillq serve atropos``): FastAPI app, middleware, lifecycle.
 
 The routes (``atropos_routes``) answer as atroposlib 0.4.0's server does, path for path and shape for
-shape; the state lives in Redis (``atropos_state``, ``atropos_queue``), so a restart loses nothing. One
-process per namespace (its writers are serialized by one lock). A request body above ``max_body_bytes``
-(as sent or inflated) gets 413. gzip as the reference: request bodies
+shape; the state lives in Redis (``atropos_state``, ``atropos_queue``), so a restart loses nothing; the
+writers of every process on a namespace are serialized by one lock in Redis (``atropos_lock``), so several
+processes may serve one namespace behind a load balancer (``atropos_server``: replicas). A request body
+above ``max_body_bytes`` (as sent or inflated) gets 413. gzip as the reference: request bodies
 with ``Content-Encoding: gzip`` are inflated (400 ``Invalid gzip payload`` if they do not inflate),
 responses of 1,000 bytes or more are compressed when the client accepts gzip (level 1 by default rather
 than the reference's 9: several times faster on multi-megabyte batches, about 10% larger).
@@ -138,7 +139,7 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
-                await server.redis.delete(server.keys.heartbeat(STAGE, config.consumer_name))
+                await server.redis.delete(server.keys.heartbeat(STAGE, server.replica))
             await server.redis.aclose()
 
     app = FastAPI(title="distillq Atropos API", lifespan=lifespan)

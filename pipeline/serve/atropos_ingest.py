@@ -17,6 +17,7 @@ env's buffer cannot fill its group size, and put on the ``rollouts`` stream for 
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -59,11 +60,13 @@ class Prepared:
 
 class Ingest:
     def __init__(self, redis: aioredis.Redis, keys: Keys, state: AtroposState, settings: StreamSettings, *,
-                 shards: int = 1, limits: Limits | None = None, name: str = "atropos-server") -> None:
+                 shards: int = 1, limits: Limits | None = None, name: str = "atropos-server",
+                 buffers_lock: AbstractAsyncContextManager[Any] | None = None) -> None:
         self.redis, self.keys, self.state, self.name = redis, keys, state, name
         self.limits = limits or settings.limits()
         self.producer = StreamProducer(redis, keys, "rollouts", settings, shards=shards)
-        self._buffers = asyncio.Lock()  # one buffer update at a time (read, pick, release, rewrite)
+        # one buffer update at a time (read, pick, release, rewrite), across replicas with a SharedLock
+        self._buffers = buffers_lock if buffers_lock is not None else asyncio.Lock()
 
     def prepare(self, data: ScoredData, t: Trainer) -> Prepared:
         """Convert one posted group (raises ``DecodeError`` for a group we cannot take); nothing is written."""

@@ -143,3 +143,14 @@ def status_env(
         "max_group_size": max_group,
         "env_weight": max(MIN_ENV_WEIGHT, weight),
     }, group_size
+
+
+def scoring_completes_batch(queued: Sequence[tuple[int | None, int]], inflight: Sequence[tuple[int | None, int]],
+                            batch_size: int, envs: Sequence[dict[str, Any]]) -> bool:
+    """Whether the groups being scored (``inflight``: (env id, sequences) each), once queued behind
+    ``queued``, would let a batch be made that cannot be made now (``GET /batch`` then waits for them)."""
+    if not inflight or batch_size < 1:
+        return False
+    later = [Queued(f"q{i}", "", "", n, env) for i, (env, n) in enumerate(queued)]
+    later += [Queued(f"s{i}", "", "", n, env) for i, (env, n) in enumerate(inflight)]
+    return pick_batch(later, batch_size, minimum_sequences(envs, batch_size, later)) is not None

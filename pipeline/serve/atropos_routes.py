@@ -29,6 +29,8 @@ from schemas import DecodeError
 from schemas.atropos import ATROPOS_KEYS, to_atropos
 
 router = APIRouter()
+#: How often ``GET /batch`` looks again while it waits for groups being scored.
+BATCH_POLL_S: Final = 0.05
 _JSON: Final = msgspec.json.Encoder()
 NOT_REGISTERED: Final = {"status": "error", "message": "Trainer not registered. Call /register first.", "batch": []}
 #: ``/latest_example`` before any group, as the reference answers it.
@@ -105,19 +107,27 @@ async def batch(
     lease: bool = Query(False, description="lease the batch: acknowledge it with POST /batch/ack"),
     lease_s: float | None = Query(None, gt=0, description="lease length (default: the server's --lease-s)"),
 ) -> Response | dict[str, Any]:
+    """The next batch. When none is ready but groups being scored would complete one, waits for them (polling,
+    the lock released in between) up to the server's ``batch_wait_s``."""
     srv = _server(request)
     leased = lease or lease_s is not None
-    async with srv.lock:
-        t = await srv.state.trainer()
-        if not t.registered:
-            return NOT_REGISTERED
-        if not t.started:
-            await srv.state.mark_started()
-        handout = await srv.queue.take(t, await srv.state.envs(), (lease_s or srv.cfg.lease_s) if leased else None)
-        srv.items_cache = (0.0, [])
-    if handout is None:
-        return {"batch": None}
-    return Response(await asyncio.to_thread(_batch_body, handout), media_type="application/json")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + srv.cfg.batch_wait_s
+    while True:
+        async with srv.lock:
+            t = await srv.state.trainer()
+            if not t.registered:
+                return NOT_REGISTERED
+            if not t.started:
+                await srv.state.mark_started()
+            envs = await srv.state.envs()
+            handout = await srv.queue.take(t, envs, (lease_s or srv.cfg.lease_s) if leased else None)
+            srv.items_cache = (0.0, [])
+        if handout is not None:
+            return Response(await asyncio.to_thread(_batch_body, handout), media_type="application/json")
+        if loop.time() >= deadline or not await srv.scoring_completes_batch(t, envs):
+            return {"batch": None}
+        await asyncio.sleep(min(BATCH_POLL_S, max(deadline - loop.time(), 0.0)))
 
 
 @router.post("/batch/ack")

@@ -1,10 +1,19 @@
 """What the Atropos-compatible server's routes share (``Server``), its settings (``ServeConfig``), and
-its startup: Redis connected, the shard count read, the mover (scored -> queue) and heartbeat started."""
+its startup: Redis connected, the shard count read, the mover (scored -> queue) and heartbeat started.
+
+Replicas: every piece of state is in Redis, and the writers' locks are Redis locks (``atropos_lock``), so
+several processes can serve one namespace behind a load balancer. What stays in a process is safe per
+replica: the ``/status`` figures are cached for 0.2 s; each replica heartbeats under its own name
+(``<consumer name>-<host>-<pid>``); the replicas read ``scored`` in one consumer group (under one consumer
+name or several: a move onto the queue is idempotent, and entries of a replica that died are reclaimed
+once idle); ``PostGate`` holds posts back during a ``/reset_data`` on the replica that resets."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +23,10 @@ import structlog
 
 from pipeline.config import RedisSettings, StreamSettings
 from pipeline.serve.atropos_ingest import Ingest
+from pipeline.serve.atropos_lock import SharedLock
+from pipeline.serve.atropos_packing import scoring_completes_batch
 from pipeline.serve.atropos_queue import STAGE, AtroposQueue
-from pipeline.serve.atropos_state import AtroposState
+from pipeline.serve.atropos_state import AtroposState, Trainer
 from pipeline.stages.runloop import Heartbeat, RunStats
 from pipeline.transport.connection import connect, retry_transient
 from pipeline.transport.keys import Keys
@@ -32,6 +43,7 @@ class ServeConfig:
     consumer_name: str = "atropos-server"  # stable: a restarted server gets back what it had read
     gzip_level: int = 1
     max_body_bytes: int = 1 << 30  # a request body above this (as sent, or inflated) is refused with 413
+    batch_wait_s: float = 1.0  # how long GET /batch waits when groups being scored would complete a batch
 
 
 class PostGate:
@@ -78,7 +90,8 @@ class Server:
     state: AtroposState
     queue: AtroposQueue
     ingest: Ingest
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    lock: SharedLock | asyncio.Lock = field(default_factory=asyncio.Lock)  # the writers' (every replica's)
+    replica: str = "atropos-server"  # this process's name (its heartbeat)
     gate: PostGate = field(default_factory=PostGate)
     items_cache: tuple[float, list[tuple[int | None, int]]] = (0.0, [])
 
@@ -92,6 +105,11 @@ class Server:
             self.items_cache = (loop.time(), items)
         return items
 
+    async def scoring_completes_batch(self, t: Trainer, envs: list[dict[str, Any]]) -> bool:
+        """Whether groups posted and still being scored would complete a batch the queue cannot make now."""
+        inflight = await self.state.inflight()
+        return bool(inflight) and scoring_completes_batch(await self.queue.items(), inflight, t.batch_size, envs)
+
 
 async def open_server(cfg: ServeConfig, stop: asyncio.Event) -> tuple[Server, list[asyncio.Task[Any]]]:
     """Connect, read the shard count, and start the mover and the heartbeat."""
@@ -100,10 +118,14 @@ async def open_server(cfg: ServeConfig, stop: asyncio.Event) -> tuple[Server, li
     shards = await retry_transient(lambda: get_shards(redis, keys), deadline_s=60)
     state = AtroposState(redis, keys, ttl_s=cfg.streams.dedupe_ttl_s)
     queue = AtroposQueue(redis, keys, state, cfg.streams, consumer_name=cfg.consumer_name, shards=shards)
-    ingest = Ingest(redis, keys, state, cfg.streams, shards=shards, name=cfg.consumer_name)
-    server = Server(cfg, redis, keys, state, queue, ingest)
-    beat = Heartbeat(redis, keys.heartbeat(STAGE, cfg.consumer_name), cfg.streams.heartbeat_interval_s)
+    ingest = Ingest(redis, keys, state, cfg.streams, shards=shards, name=cfg.consumer_name,
+                    buffers_lock=SharedLock(redis, keys.atropos("buffers_lock")))
+    replica = f"{cfg.consumer_name}-{socket.gethostname()}-{os.getpid()}"
+    server = Server(cfg, redis, keys, state, queue, ingest, lock=SharedLock(redis, keys.atropos("lock")),
+                    replica=replica)
+    beat = Heartbeat(redis, keys.heartbeat(STAGE, replica), cfg.streams.heartbeat_interval_s)
     tasks = [asyncio.create_task(queue.run_mover(stop), name="atropos-mover"),
              asyncio.create_task(beat.run(stop, RunStats()), name="atropos-heartbeat")]
-    log.info("atropos_server_ready", namespace=keys.namespace, shards=shards, consumer=cfg.consumer_name)
+    log.info("atropos_server_ready", namespace=keys.namespace, shards=shards, consumer=cfg.consumer_name,
+             replica=replica)
     return server, tasks

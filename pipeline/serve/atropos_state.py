@@ -80,7 +80,7 @@ class BufferedGroup(msgspec.Struct, frozen=True):
 
 
 class AtroposState:
-    """Reads and writes the server's keys. Callers serialize writers (one server process per namespace)."""
+    """Reads and writes the server's keys. Callers serialize writers (the shared lock, ``atropos_lock``)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int = 24 * 3600) -> None:
         self.redis, self.keys, self.ttl_s = redis, keys, ttl_s

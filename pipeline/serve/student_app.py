@@ -17,6 +17,7 @@
 =========================================  ===================================================================
 
 Every inference request carrying ``X-Session-ID`` is recorded in that session's tree-mode tracker.
+A request body above ``max_body_bytes`` is refused with 413 (counted as it arrives, never read in full).
 Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``. A malformed body (a missing
 or out-of-range field, invalid JSON) is a 400 naming the field, as vLLM and OpenAI answer it, so an OpenAI
 client (verifiers') raises its ``BadRequestError`` with the reason rather than FastAPI's ``{"detail": [...]}``.
@@ -34,8 +35,10 @@ import structlog
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.rollout.openai_types import Stream
+from pipeline.serve.atropos_app import _GONE, _read_capped
 from pipeline.serve.student_service import (
     FinishRequest,
     GenerateRequest,
@@ -48,9 +51,50 @@ log = structlog.get_logger(__name__)
 SESSION_HEADER = "X-Session-ID"
 
 
-def create_app(service: StudentService, *, maintain_every_s: float = 10.0, api_key: str | None = None) -> FastAPI:
+#: The default cap on a request body (``--max-body-bytes``): a generate request of 100,000 token ids is ~0.7 MB.
+MAX_BODY_BYTES = 32 << 20
+
+
+class BodyCap:
+    """Every request body read with a size cap: above ``max_bytes`` the answer is 413 in the OpenAI shape (the
+    rest of the body is read and dropped as it arrives, so the client gets the answer)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body = await _read_capped(receive, self.max_bytes)
+        if body is _GONE:
+            return
+        if body is None:
+            err = ServeError(413, f"request body is more than {self.max_bytes} bytes", "RequestTooLarge")
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def create_app(
+    service: StudentService,
+    *,
+    maintain_every_s: float = 10.0,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
     """The app; a background task runs ``service.maintain`` every ``maintain_every_s`` seconds. With
-    ``api_key``, every route but ``/health`` wants ``Authorization: Bearer <api_key>`` (else 401)."""
+    ``api_key``, every route but ``/health`` wants ``Authorization: Bearer <api_key>`` (else 401). A request
+    body above ``max_body_bytes`` gets 413."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +138,7 @@ def create_app(service: StudentService, *, maintain_every_s: float = 10.0, api_k
             response: Response = await call_next(request)
             return response
 
+    app.add_middleware(BodyCap, max_bytes=max_body_bytes)
     _inference_routes(app, service)
     _session_routes(app, service)
     return app

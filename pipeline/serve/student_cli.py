@@ -81,6 +81,8 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds before an idle unfinished rollout (or an incomplete group) is dropped (flushed)",
     )
     p.add_argument("--max-sessions", type=int, default=4096, help="rollouts tracked at once (LRU eviction)")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                   help="request bodies above this many bytes are refused with 413 (default: 33554432, 32 MiB)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument(
         "--api-key-var",
@@ -183,7 +185,8 @@ async def _serve_app(
         sessions = SessionStore(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
         service = StudentService(backend, config, producer.push, sessions=sessions)
         api_key = os.environ.get(args.api_key_var) if args.api_key_var else None
-        app = create_app(service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)), api_key=api_key)
+        app = create_app(service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)), api_key=api_key,
+                         max_body_bytes=args.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
         stopped: list[int] = []
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -220,6 +223,7 @@ def usage_error(args: argparse.Namespace) -> str | None:
     checks = (
         (args.group_size >= 1, "--group-size must be >= 1"),
         (args.max_sessions >= 1, "--max-sessions must be >= 1"),
+        (args.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
         (math.isfinite(args.session_ttl) and args.session_ttl > 0, "--session-ttl must be a number of seconds > 0"),
         (args.default_max_tokens >= 1, "--default-max-tokens must be >= 1"),
         (args.max_model_len is None or args.max_model_len >= 2, "--max-model-len must be >= 2"),

@@ -12,6 +12,7 @@ so what the client records and what distillq pushes are the same numbers, bit fo
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import uuid
@@ -29,6 +30,7 @@ from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.openai_types import ChatCompletion, ChatCompletionChunk, Stream
 from pipeline.rollout.student_base import Completion, StudentBackend, StudentBackendError
 from pipeline.rollout.tracker import Tracker
+from pipeline.serve.student_requests import MAX_N, RequestError, check_chat, check_stop
 from pipeline.serve.student_sessions import FinishedRollout, GroupAssembler, GroupSpec, SessionStore
 from schemas import DecodeError, RolloutGroup
 
@@ -44,7 +46,6 @@ NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "min_tokens": (None, 0),
-    "stop": (None, "", []),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None, 0),
@@ -69,11 +70,13 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
+    stop: str | list[str] | None = None  # applied as vLLM does (pipeline.rollout.stop_strings)
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None  # the sampled token's logprob is always returned; no top candidates
-    skip_special_tokens: bool = True  # no text is returned, so it changes nothing
+    skip_special_tokens: bool = True  # the text stop strings are matched against
 
 
 class GenerateRequest(BaseModel):
@@ -119,6 +122,7 @@ class ServedBackend:
     def __init__(self, backend: StudentBackend, max_model_len: int) -> None:
         self.backend = backend
         self.max_model_len = max_model_len
+        self.takes_stop_strings = "stop" in inspect.signature(backend.generate).parameters
 
     @property
     def tokenizer(self) -> Any:
@@ -132,7 +136,8 @@ class ServedBackend:
                 f"{len(prompt_ids)} input tokens."
             )
         out = await self.backend.generate(prompt_ids, max_tokens=min(max_tokens, limit - len(prompt_ids)), **kw)
-        return [Completion(c.token_ids, np.asarray(c.logprobs, np.float32).tolist(), c.finish_reason) for c in out]
+        return [Completion(c.token_ids, np.asarray(c.logprobs, np.float32).tolist(), c.finish_reason, c.stop_reason)
+                for c in out]
 
 
 def _unsupported(extra: dict[str, Any] | None, *, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -189,11 +194,22 @@ class StudentService:
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
             raise ServeError(400, f"token_ids must lie in [0, {vocab})")
         max_tokens = self.config.default_max_tokens if sp.max_tokens is None else sp.max_tokens
-        opts = {"temperature": sp.temperature, "top_p": sp.top_p, "max_tokens": max_tokens, "n": sp.n}
+        opts: dict[str, Any] = {"temperature": sp.temperature, "top_p": sp.top_p, "max_tokens": max_tokens, "n": sp.n}
+        try:
+            stop = check_stop(sp.stop, "sampling_params.stop")
+        except RequestError as e:
+            raise ServeError(400, e.message, param=e.param) from e
+        stop_kw: dict[str, Any] = {}
+        if stop and not self.backend.takes_stop_strings:
+            raise ServeError(400, "sampling_params.stop: this backend does not take stop strings", param="stop")
+        if stop:  # only then: backends without stop strings are called as before
+            stop_kw = {"stop": stop, "include_stop_str_in_output": sp.include_stop_str_in_output,
+                       "skip_special_tokens": sp.skip_special_tokens}
+            opts.update(stop=stop, include_stop_str_in_output=sp.include_stop_str_in_output)
         try:
             comps = await self.backend.generate(
                 prompt, n=sp.n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                stop_token_ids=sp.stop_token_ids, seed=sp.seed,
+                stop_token_ids=sp.stop_token_ids, seed=sp.seed, **stop_kw,
             )  # fmt: skip
         except ValueError as e:
             raise ServeError(400, str(e)) from e
@@ -214,6 +230,7 @@ class StudentService:
                         ]
                     },
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
                 for i, c in enumerate(comps)
             ],
@@ -238,11 +255,13 @@ class StudentService:
     async def chat(self, body: dict[str, Any], session_id: str | None) -> ChatCompletion | Stream[ChatCompletionChunk]:
         """An OpenAI chat completion (``stream`` honoured), rendered with the model's chat template."""
         self._check_model(body.get("model"))
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ServeError(400, "messages must be a non-empty list of objects")
+        try:
+            check_chat(body)
+        except RequestError as e:
+            raise ServeError(400, e.message, param=e.param) from e
+        messages = body["messages"]
         kwargs = {k: v for k, v in body.items() if k not in ("messages", "model", "stream")}
-        bad = _unsupported(kwargs, allowed=("stop",))  # the facade cuts at stop strings
+        bad = _unsupported(kwargs)  # stop strings: the facade cuts at them
         if bad:
             raise ServeError(400, f"unsupported sampling options: {', '.join(sorted(bad))}")
         client = self._chat_client(session_id)

@@ -47,6 +47,9 @@ key                                                type          written by / me
                                                                  not yet queued
 ``{ns:atropos}:dlq_cursor``                        string        ``serve atropos``: the last dead letter read for
                                                                  groups lost in flight
+``{ns:atropos}:lock``                              string (TTL)  ``serve atropos``: the writers' lock, shared by
+                                                                 every replica (``atropos_lock``)
+``{ns:atropos}:buffers_lock``                      string (TTL)  ``serve atropos``: the lock of the per-env buffers
 =================================================  ============  ==============================================
 
 The ``serve atropos`` keys share one hash tag, ``{ns:atropos}``, so its scripts touch several at once.
@@ -80,7 +83,7 @@ MAX_SHARDS: Final = 1024
 #: The single keys of the Atropos-compatible server (``Keys.atropos``).
 ATROPOS_PARTS: Final = frozenset(
     {"trainer", "envs", "inflight", "inflight_at", "discard", "queue", "leases", "lease_deadlines", "latest",
-     "front", "counts", "dlq_cursor"}
+     "front", "counts", "dlq_cursor", "lock", "buffers_lock"}
 )
 
 

@@ -17,6 +17,8 @@ of a task are pushed onto ``rollouts`` as a group.
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from collections.abc import Callable
 
 import structlog
@@ -35,8 +37,11 @@ def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="port; 8000 is the reference's (env DISTILLQ_SERVE_PORT)")
     p.add_argument("--lease-s", type=float, default=600.0,
                    help="lease of GET /batch?lease=1 before the batch is handed out again")
+    p.add_argument("--batch-wait-s", type=float, default=env_default("ATROPOS_BATCH_WAIT_S") or "1.0",
+                   help="how long GET /batch waits when groups still being scored would complete a batch; 0: answer "
+                        "at once (env DISTILLQ_ATROPOS_BATCH_WAIT_S)")
     p.add_argument("--consumer-name", default="atropos-server",
-                   help="consumer name on the scored stream; keep it stable across restarts")
+                   help="consumer name on the scored stream; keep it stable across restarts (replicas may share it)")
     p.add_argument("--gzip-level", type=int, default=1, choices=range(1, 10), metavar="1-9",
                    help="gzip level of responses (the reference uses 9, several times slower)")
     p.add_argument("--access-log", action="store_true", help="log every request (environments poll at 10 Hz)")
@@ -51,8 +56,12 @@ def run_atropos(args: argparse.Namespace) -> int:
     from pipeline.serve.atropos_app import create_app
     from pipeline.serve.atropos_server import ServeConfig
 
+    if not (math.isfinite(args.batch_wait_s) and 0 <= args.batch_wait_s <= 60):
+        print(f"distillq: --batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
+              file=sys.stderr)
+        return 2
     cfg = ServeConfig(redis=redis_settings_from_args(args), streams=StreamSettings(), lease_s=args.lease_s,
-                      consumer_name=args.consumer_name, gzip_level=args.gzip_level)
+                      consumer_name=args.consumer_name, gzip_level=args.gzip_level, batch_wait_s=args.batch_wait_s)
     run(ensure_reachable(cfg.redis))  # Redis away: one line and exit status 3, not a traceback after retries
     structlog.get_logger("distillq.serve.atropos").info("atropos_listening", url=f"http://{args.host}:{args.port}",
                                                         namespace=cfg.redis.namespace)
