@@ -183,3 +183,54 @@ async def test_killed_rank_brings_the_whole_batch_back_to_every_rank(r: aioredis
         trained[x["entry"]] += x["groups"]
     assert sorted(g for gs in trained.values() for g in gs) == [f"g{i:03d}" for i in range(GROUPS)]
     assert await settled_state(r, keys) == (0, 0, 0, 0)  # nothing lost, nothing left behind
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_ddp_ranks_gradients_equal_one_process_on_the_whole_batch(
+    r: aioredis.Redis, keys: Keys, redis_url: str, tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from pipeline.learner.torch_batch import to_torch
+    from pipeline.stages.batching import materialize
+    from schemas import ScoredGroup
+    from tests.learner_ddp import loss_sums, tiny_model
+
+    batches = await batches_of_uneven_groups(r, keys)
+    _, m = batches[0]
+    groups = [decode(x, expect=ScoredGroup) for x in await r.mget([ref.key for ref in m.refs])]
+    # One process on the whole batch: the mean losses' gradients.
+    tb = to_torch(materialize(m, groups))
+    model = tiny_model()
+    pg, kd = loss_sums(model, tb)
+    (pg / tb.loss_mask.sum() + kd / tb.distill_mask.sum()).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    port, env = str(free_port()), {**os.environ, "PYTHONPATH": str(ROOT)}
+    outs = [tmp_path / f"grads{i}.safetensors" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.learner_ddp", redis_url, keys.namespace, str(i), "2",
+                               port, str(outs[i])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for i in range(2)]
+    for p in procs:
+        text = p.communicate(timeout=90)[0].decode()
+        assert p.returncode == 0, text[-3000:]
+    parts = []
+    for out in outs:
+        with safe_open(str(out), framework="pt") as f:
+            parts.append((f.metadata() or {})["groups"].split(","))
+        got = load_file(str(out))
+        assert got.keys() == want.keys()
+        for n, g in got.items():
+            torch.testing.assert_close(g, want[n], atol=1e-6, rtol=0)
+    check_split(m, parts)
+    assert all(parts)  # each rank trained on a non-empty part
+    xlen, pending, _, dlq = await settled_state(r, keys)
+    assert (xlen, pending, dlq) == (3, 0, 0)  # the batch was acknowledged once both ranks acked it
