@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
+from pipeline.learner.checks import LearnerConnectionError
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
@@ -200,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                         batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace,
                         checkpoint_dir=a.checkpoint_dir)
     Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
-    history = train(cfg)
+    try:
+        history = train(cfg)
+    except LearnerConnectionError as e:  # one line, not a traceback
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return 3
     return 0 if len(history) > 1 else 1  # history[0] is the step-0 record: no step ran without a batch
 
 
