@@ -204,7 +204,8 @@ class RankGroup:
             if got is None:
                 return False
             d, version = got
-            await self._script(_ASSIGN, self._state[:1], [d.entry_id, version, int(d.reclaimed)])
+            if not int(await self._script(_ASSIGN, self._state[:1], [d.entry_id, version, int(d.reclaimed)])):
+                self.consumer.release([d])  # another batch became current meanwhile: reclaimable once idle
             return True
         finally:
             await self._script(_UNLOCK, [self._lock], [self.token])

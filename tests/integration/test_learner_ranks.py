@@ -93,7 +93,7 @@ async def test_two_rank_processes_share_each_batch(r: aioredis.Redis, keys: Keys
                                                   tmp_path: Path) -> None:
     batches = await batches_of_uneven_groups(r, keys)
     outs = [tmp_path / f"rank{i}.jsonl" for i in range(2)]
-    procs = [rank_proc(redis_url, keys.namespace, i, outs[i], "--batches", "4", "--idle-s", "3") for i in range(2)]
+    procs = [rank_proc(redis_url, keys.namespace, i, outs[i], "--batches", "4", "--idle-s", "60") for i in range(2)]
     for p in procs:
         assert p.wait(60) == 0, Path(f"{outs[procs.index(p)]}.log").read_text()[-3000:]
     got = [[x for x in records(o) if x["event"] == "got"] for o in outs]
@@ -140,8 +140,10 @@ async def test_killed_rank_brings_the_whole_batch_back_to_every_rank(r: aioredis
     batches = await batches_of_uneven_groups(r, keys)
     entries = [e for e, _ in batches]
     out0, out1, out1b = tmp_path / "r0.jsonl", tmp_path / "r1.jsonl", tmp_path / "r1b.jsonl"
-    r0 = rank_proc(redis_url, keys.namespace, 0, out0, "--step-s", "0.2", "--idle-s", "4")
-    r1 = rank_proc(redis_url, keys.namespace, 1, out1, "--hold-at", "2", "--idle-s", "4")
+    # Rank 0 acks batch 1, batch 2 (before the kill), batch 2 again, 3 and 4: five acks; the restarted rank 1
+    # acks batches 2, 3 and 4. They wait as long as it takes the restarted rank to start.
+    r0 = rank_proc(redis_url, keys.namespace, 0, out0, "--step-s", "0.2", "--batches", "5", "--idle-s", "60")
+    r1 = rank_proc(redis_url, keys.namespace, 1, out1, "--hold-at", "2", "--idle-s", "60")
     procs = [r0, r1]
     try:
         e2 = entries[1]
@@ -155,9 +157,9 @@ async def test_killed_rank_brings_the_whole_batch_back_to_every_rank(r: aioredis
         # Nothing moved: batch 2 is pending, in the stream with all its payloads; rank 0 waits for it.
         assert await settled_state(r, keys) == (3, 1, GROUPS - PER_BATCH, 0)
         assert [x["entry"] for x in records(out0) if x["event"] == "got"] == entries[:2]
-        r1b = rank_proc(redis_url, keys.namespace, 1, out1b, "--idle-s", "4")
+        r1b = rank_proc(redis_url, keys.namespace, 1, out1b, "--batches", "3", "--idle-s", "60")
         procs.append(r1b)
-        assert r0.wait(60) == 0 and r1b.wait(60) == 0, out0.with_suffix(".jsonl.log").read_text()[-3000:]
+        assert r0.wait(90) == 0 and r1b.wait(90) == 0, out0.with_suffix(".jsonl.log").read_text()[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -234,3 +236,25 @@ async def test_ddp_ranks_gradients_equal_one_process_on_the_whole_batch(
     assert all(parts)  # each rank trained on a non-empty part
     xlen, pending, _, dlq = await settled_state(r, keys)
     assert (xlen, pending, dlq) == (3, 0, 0)  # the batch was acknowledged once both ranks acked it
+
+
+async def test_a_rank_with_an_empty_part_still_gets_and_acks_the_batch(r: aioredis.Redis, keys: Keys,
+                                                                      redis_url: str) -> None:
+    prod = StreamProducer(r, keys, "scored", fast())
+    for i in range(2):
+        await prod.send(synthetic_scored(synthetic_rollout(2, 16, group_id=f"g{i}", seed=i), k=4, seed=i))
+    cfg = BatchingConfig(max_wait_s=3600, max_staleness=None)
+    await asyncio.wait_for(Feeder(r, keys, cfg, ConstantKL(0.1), fast()).run(asyncio.Event(), burst=True), 30)
+    ranks = [AsyncLearner(redis_url, namespace=keys.namespace, settings=fast(), rank=i, world_size=3)
+             for i in range(3)]
+    try:
+        got = await asyncio.wait_for(asyncio.gather(*(x.next_batch(10) for x in ranks)), 20)
+        assert all(b is not None for b in got)
+        parts = [b.group_ids for b in got if b is not None]
+        assert sorted(len(p) for p in parts) == [0, 1, 1] and sorted(g for p in parts for g in p) == ["g0", "g1"]
+        for x, b in zip(ranks, got, strict=True):
+            assert b is not None and await x.ack(b)
+        assert await settled_state(r, keys) == (0, 0, 0, 0)
+    finally:
+        for x in ranks:
+            await x.aclose()
