@@ -178,11 +178,14 @@ class GroupHeader(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GroupRef(msgspec.Struct, frozen=True, array_like=True):
-    """A scored group held in Redis: its id, the key of its encoded ``ScoredGroup``, its scored entry."""
+    """A scored group held in Redis: its id, the key of its encoded ``ScoredGroup``, its scored entry, and its
+    tokens (sum of sequence lengths; 0 from writers before the field existed), by which learner ranks split
+    a batch."""
 
     group_id: str
     key: str
     entry_id: str = ""
+    tokens: int = 0
 
 
 class BatchManifest(msgspec.Struct, frozen=True, kw_only=True, tag="manifest", tag_field="t"):

@@ -390,13 +390,16 @@ def validate(msg: Message, limits: Limits) -> None:
 
 
 def validate_manifest(m: BatchManifest, limits: Limits) -> None:
-    """A batch by reference: at least one group, each named once with a key; finite weights and stats."""
+    """A batch by reference: at least one group, each named once with a key and tokens >= 0; finite weights and
+    stats."""
     if not 1 <= len(m.refs) <= limits.max_sequences:
         raise DecodeError("batch.refs", f"{len(m.refs)} groups outside [1, {limits.max_sequences}]")
     seen: set[str] = set()
     for i, r in enumerate(m.refs):
         if not r.group_id or not r.key:
             raise DecodeError(f"batch.refs[{i}]", "empty group id or payload key")
+        if r.tokens < 0:
+            raise DecodeError(f"batch.refs[{i}].tokens", f"negative: {r.tokens}")
         if r.group_id in seen:
             raise DecodeError(f"batch.refs[{i}]", f"group {r.group_id!r} appears twice")
         seen.add(r.group_id)

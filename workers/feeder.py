@@ -12,7 +12,16 @@ from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL
 from pipeline.transport.keys import Keys
-from workers.common import add_common_args, env, one_of, run_stage, shard_plan, standalone, stream_settings
+from workers.common import (
+    add_common_args,
+    env,
+    int_at_least,
+    one_of,
+    run_stage,
+    shard_plan,
+    standalone,
+    stream_settings,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive KL controller horizon")
     p.add_argument("--max-buffered-groups", type=int, default=1024, metavar="N",
                    help="scored groups held while waiting for a batch")
+    p.add_argument("--max-ready-batches", type=int_at_least(0), default=env("MAX_READY_BATCHES") or "8", metavar="N",
+                   help="wait while the batches stream holds N batches not yet acknowledged by the learner, "
+                        "0: only DISTILLQ_MAX_BACKLOG (env DISTILLQ_MAX_READY_BATCHES)")
     add_common_args(p)
 
 
@@ -57,7 +69,8 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
            else ConstantKL(args.kl_coef))
     shards, assigned = await shard_plan(args, redis, keys, stop)
     feeder = Feeder(redis, keys, config(args), ctl, stream_settings(args), consumer_name=args.consumer_name,
-                    max_buffered_groups=args.max_buffered_groups, shards=shards, assigned=assigned)
+                    max_buffered_groups=args.max_buffered_groups, shards=shards, assigned=assigned,
+                    max_ready_batches=args.max_ready_batches or None)
     await feeder.run(stop, burst=args.burst)
 
 

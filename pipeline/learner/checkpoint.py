@@ -1,62 +1,171 @@
-"""The optimizer's state beside the published weights, so a learner restarted on them goes on where it was.
+"""Learner checkpoints: model, optimizer, step, policy version and the batches trained into them, atomic.
 
-``DIR/optimizer.safetensors`` holds every per-parameter tensor of the optimizer's state (AdamW's moments
-and step counts; safetensors, never pickle) with the weights' version and the learner step in its metadata.
-It is written (atomic rename) before the weights it belongs to, and only used when its version matches the
-weights': a learner stopped between the two writes starts that step's optimizer afresh rather than pairing
-moments with other weights. The hyper-parameters (learning rate, betas) come from the restarted learner.
+    from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
+
+    ckpt = load_checkpoint(DIR, model, optimizer)          # None on the first start
+    ...
+    loss.backward(); optimizer.step()
+    save_checkpoint(DIR, model, optimizer, step=s, policy_version=v, batch_ids=[lb.batch.batch_id])
+    learner.ack(lb)                                        # only after the checkpoint: see docs/learner.md
+
+Layout: ``DIR/step-<step>/`` holds ``model.safetensors`` (``safetensors.torch.save_model``: tied weights
+kept once), ``optimizer.safetensors`` (the optimizer state's tensors) and ``state.json`` (step, version,
+batch ids, the optimizer's other values, ``extra``); ``DIR/latest`` names the newest folder. A folder is
+written under a temporary name, synced and renamed, and only then is ``latest`` replaced (write to a
+temporary file, rename), so a crash at any point leaves the previous checkpoint in force. Never pickle.
+The ``keep`` newest folders stay; older ones are deleted after ``latest`` moved on.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+import shutil
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
-
-OPTIMIZER_FILE = "optimizer.safetensors"
+LATEST = "latest"
+FORMAT = 1
 
 
 @dataclass(frozen=True)
-class Restored:
-    version: int
+class Checkpoint:
+    """What ``load_checkpoint`` restored."""
+
+    path: Path
     step: int
+    policy_version: int
+    batch_ids: tuple[str, ...] = ()  # the batches trained into these weights (the last few)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def trained(self, batch_id: str) -> bool:
+        """Whether the batch ``batch_id`` is already in these weights (a crash came between the checkpoint
+        and its ack: acknowledge it again without training)."""
+        return batch_id in self.batch_ids
 
 
-def save_optimizer(opt: torch.optim.Optimizer, directory: str | Path, *, version: int, step: int) -> Path:
-    """Atomically write ``opt``'s per-parameter state (tensors only) for weights ``version`` at ``step``."""
-    from safetensors.torch import save_file
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
+
+def _split_optimizer(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An optimizer ``state_dict`` as (tensors by flat name, the JSON rest)."""
+    import torch
+
+    tensors: dict[str, Any] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, entries in state["state"].items():
+        for name, v in entries.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{pid}/{name}"] = v.detach().contiguous().cpu()
+            else:
+                scalars.setdefault(str(pid), {})[name] = v
+    return tensors, {"scalars": scalars, "param_groups": state["param_groups"]}
+
+
+def _join_optimizer(tensors: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in tensors.items():
+        pid, name = key.split("/", 1)
+        state.setdefault(int(pid), {})[name] = v
+    for pid, entries in rest["scalars"].items():
+        state.setdefault(int(pid), {}).update(entries)
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: Any,
+    optimizer: Any | None = None,
+    *,
+    step: int,
+    policy_version: int,
+    batch_ids: Iterable[str] = (),
+    extra: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write a checkpoint atomically and make it the latest; returns its folder. ``batch_ids``: the batches
+    trained since the previous checkpoint (kept with the last 64 before them)."""
+    from safetensors.torch import save_file, save_model
+
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for index, state in opt.state_dict()["state"].items():
-        for name, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"optimizer state {name!r} is a {type(value).__name__}, not a tensor")
-            tensors[f"{index}.{name}"] = value.detach().contiguous().cpu()
-    tmp = d / f".{OPTIMIZER_FILE}.{os.getpid()}.tmp"
-    save_file(tensors, str(tmp), metadata={"version": str(version), "step": str(step)})
-    os.replace(tmp, d / OPTIMIZER_FILE)
-    return d / OPTIMIZER_FILE
+    prev = _read_state(d)
+    ids = [*((prev or {}).get("batch_ids", [])), *batch_ids][-64:]
+    tmp = d / f".tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        state: dict[str, Any] = {"format": FORMAT, "step": int(step), "policy_version": int(policy_version),
+                                 "batch_ids": ids, "extra": extra or {}}
+        if optimizer is not None:
+            tensors, rest = _split_optimizer(optimizer.state_dict())
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            state["optimizer"] = rest
+        (tmp / "state.json").write_text(json.dumps(state))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        final = d / f"step-{int(step):09d}"
+        if final.exists():  # the same step written again (a retried step): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    latest_tmp = d / f".{LATEST}.{uuid.uuid4().hex}"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, d / LATEST)
+    _fsync_dir(d)
+    for old in sorted(p for p in d.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
-def load_optimizer(opt: torch.optim.Optimizer, directory: str | Path, *, version: int) -> Restored | None:
-    """Load the state saved for weights ``version`` into ``opt``; None when there is none for that version."""
-    from safetensors import safe_open
-
-    path = Path(directory) / OPTIMIZER_FILE
-    if not path.exists():
+def _latest(d: Path) -> Path | None:
+    try:
+        name = (d / LATEST).read_text().strip()
+    except FileNotFoundError:
         return None
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if int(meta.get("version", "-1")) != version:
-            return None
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            index, _, name = key.partition(".")
-            state.setdefault(int(index), {})[name] = f.get_tensor(key)
-    current = opt.state_dict()
-    opt.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-    return Restored(version=version, step=int(meta.get("step", "0")))
+    return d / name if name else None
+
+
+def _read_state(d: Path) -> dict[str, Any] | None:
+    path = _latest(d)
+    if path is None:
+        return None
+    state: dict[str, Any] = json.loads((path / "state.json").read_text())
+    return state
+
+
+def load_checkpoint(
+    directory: str | Path, model: Any, optimizer: Any | None = None, *, device: str = "cpu"
+) -> Checkpoint | None:
+    """Restore the latest checkpoint into ``model`` (and ``optimizer``); ``None`` if there is none yet."""
+    from safetensors.torch import load_file, load_model
+
+    d = Path(directory)
+    path = _latest(d)
+    if path is None:
+        return None
+    state = json.loads((path / "state.json").read_text())
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, expected {FORMAT}")
+    load_model(model, str(path / "model.safetensors"), strict=True, device=device)
+    if optimizer is not None:
+        if "optimizer" not in state:
+            raise ValueError(f"{path}: the checkpoint holds no optimizer state")
+        optimizer.load_state_dict(_join_optimizer(load_file(str(path / "optimizer.safetensors"), device=device),
+                                                  state["optimizer"]))
+    return Checkpoint(path, int(state["step"]), int(state["policy_version"]), tuple(state.get("batch_ids", ())),
+                      dict(state.get("extra", {})))

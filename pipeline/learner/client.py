@@ -18,6 +18,15 @@ deletes the payloads when the batch is acknowledged. A group whose payload is in
 dead-lettered (stage ``learner``, with its bytes) and left out of the batch; the rest trains. By
 default the next batch is read in the background while the caller trains on the current one
 (``prefetch``). Arrays are zero-copy numpy views into the received payloads.
+
+Staleness is checked when a batch is handed out: a group sampled more than ``max_staleness`` versions
+before the current policy version (the feeder's bound, stamped on the batch, unless the learner names
+its own) is dead-lettered (``stale: ...``) or, with ``on_stale="deliver"``, handed out and counted; the
+batch's stats give the staleness at delivery (``pipeline.learner.parts``). The leases of the batches
+handed out and not yet acknowledged are renewed in the background, so a long step keeps its batch.
+
+With ``world_size > 1`` the client is one of ``world_size`` learner ranks that share each batch
+(``pipeline.learner.ranks``): each gets its part, and the batch is acknowledged once all have acked it.
 """
 
 from __future__ import annotations
@@ -26,72 +35,40 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-import numpy as np
-import numpy.typing as npt
+import msgspec
 import redis.asyncio as aioredis
 import structlog
 
 from pipeline import metrics
 from pipeline.config import StreamSettings, redis_settings
+from pipeline.learner.batch import LearnerBatch, _Raw
+from pipeline.learner.checks import check_reachable, namespace_hint
+from pipeline.learner.parts import (
+    FEEDER,
+    StalenessBound,
+    batch_part,
+    delivery_stats,
+    is_stale,
+    manifest_part,
+    resolve_bound,
+    select_groups,
+)
+from pipeline.learner.ranks import RankGroup
 from pipeline.stages.batching import materialize
+from pipeline.stages.runloop import renew_leases
 from pipeline.transport.connection import connect, is_cluster_client, retry_transient
 from pipeline.transport.consumer import Delivery, StreamConsumer, dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_ID, F_TYPE
 from schemas import BatchManifest, DecodeError, GroupRef, Limits, ScoredGroup, TrainBatch, decode
 
+__all__ = ["AsyncLearner", "Learner", "LearnerBatch"]  # LearnerBatch lives in pipeline.learner.batch
+
 log = structlog.get_logger("distillq.learner")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class LearnerBatch:
-    """One train batch and the stream entry it came from."""
-
-    entry_id: str
-    batch: TrainBatch
-    redelivered: bool
-    delivery: Delivery
-    payload_keys: tuple[str, ...] = ()  # the groups' payloads, deleted on ack
-
-    @property
-    def group_ids(self) -> list[str]:
-        return [g.group_id for g in self.batch.groups]
-
-    def sequences(self) -> Iterator[dict[str, npt.NDArray[np.generic] | None]]:
-        """Per sequence, zero-copy numpy views: tokens, loss_mask, logprobs, advantages, teacher arrays.
-
-        ``teacher_rows`` names the rows the teacher arrays hold (the trained rows; ``arange(L - 1)`` for a
-        payload of every row): ``teacher_topk_ids[j]`` is row ``teacher_rows[j]``, predicting token
-        ``teacher_rows[j] + 1``.
-        """
-        i = 0
-        for g in self.batch.groups:
-            for j, s in enumerate(g.group.sequences):
-                t = g.teacher[j] if g.teacher is not None else None
-                yield {
-                    "tokens": s.tokens.numpy(), "loss_mask": s.loss_mask.numpy(),
-                    "logprobs": s.logprobs.numpy() if s.logprobs is not None else None,
-                    "advantages": self.batch.advantages[i].numpy(),
-                    "teacher_topk_ids": t.topk_ids.numpy() if t else None,
-                    "teacher_topk_logprobs": t.topk_logprobs.numpy() if t else None,
-                    "teacher_sampled_logprobs": t.sampled_logprobs.numpy() if t else None,
-                    "teacher_rows": t.row_index(s.length) if t else None,
-                }
-                i += 1
-
-
-@dataclass(frozen=True)
-class _Raw:
-    """A batch entry read and decoded, with its groups' payloads fetched but not yet validated."""
-
-    delivery: Delivery
-    msg: BatchManifest | TrainBatch
-    payloads: list[bytes | None]
 
 
 class AsyncLearner:
@@ -107,11 +84,21 @@ class AsyncLearner:
         redis: aioredis.Redis | None = None,
         limits: Limits | None = None,
         prefetch: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        max_staleness: StalenessBound = FEEDER,
+        on_stale: Literal["dead_letter", "deliver"] = "dead_letter",
     ) -> None:
         """``prefetch``: fetch, validate and weigh the next batch in the background while the caller works
-        on the current one (it is read, so it stays pending until acked, like any batch handed out)."""
+        on the current one (it is read, so it stays pending until acked, like any batch handed out).
+
+        ``rank``/``world_size``: this process is rank ``rank`` of ``world_size`` learner ranks that share
+        each batch (all with the same ``consumer_name``); no prefetch then. ``max_staleness``: the bound
+        checked at delivery (``"feeder"``: the feeder's, stamped on each batch; ``-1``: none).
+        ``on_stale``: dead-letter a stale group (default) or hand it out anyway (counted in the stats)."""
         rs = redis_settings(redis_url, namespace)
         self.keys = Keys(rs.namespace)
+        self._url = rs.redis_url if redis is None else None
         self._own = redis is None
         self.redis = redis if redis is not None else connect(rs)
         self.settings = settings or StreamSettings()
@@ -120,8 +107,38 @@ class AsyncLearner:
         self.limits = limits or self.settings.limits()
         self._cluster = is_cluster_client(self.redis)
         self._ready = False
-        self.prefetch = prefetch
+        self.rank, self.world_size = rank, world_size
+        self._ranks = RankGroup(self.redis, self.keys, self.consumer, rank, world_size) if world_size > 1 else None
+        self.prefetch = prefetch and self._ranks is None
+        if on_stale not in ("dead_letter", "deliver"):
+            raise ValueError(f"on_stale must be 'dead_letter' or 'deliver', got {on_stale!r}")
+        self.max_staleness, self.on_stale = max_staleness, on_stale
         self._ahead: asyncio.Task[_Raw | None] | None = None
+        self._lease: asyncio.Task[None] | None = None
+        self._hinted = False
+
+    async def check(self) -> None:
+        """Raise ``LearnerConnectionError`` (one line) unless Redis answers."""
+        await check_reachable(self.redis, self._url)
+
+    async def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        await self.check()
+        await self.consumer.ensure_group()
+        # Renew the leases of batches handed out and not acked: a step longer than the reclaim idle time
+        # keeps its batch (as the workers do with their in-flight entries).
+        self._lease = asyncio.ensure_future(renew_leases(self.consumer, self.settings.claim_idle_ms, "learner"))
+        self._ready = True
+
+    async def _hint(self) -> None:
+        """Once, after a read that found nothing: warn when the namespace looks mistyped."""
+        if self._hinted:
+            return
+        self._hinted = True
+        with contextlib.suppress(Exception):
+            if (why := await namespace_hint(self.redis, self.keys)) is not None:
+                log.warning("no_feeder_in_namespace", hint=why)
 
     async def next_batch(self, timeout_s: float | None = None) -> LearnerBatch | None:
         """The next batch (redelivered ones first), or ``None`` after ``timeout_s`` without one.
@@ -129,6 +146,8 @@ class AsyncLearner:
         With ``prefetch``, the next batch's entry and payloads are read while this one is decoded and
         while the caller trains on it, so Redis and the network work in parallel with the learner.
         """
+        if self._ranks is not None:
+            return await self._next_ranked(timeout_s)
         loop = asyncio.get_running_loop()
         end = None if timeout_s is None else loop.time() + timeout_s
         while True:
@@ -159,11 +178,45 @@ class AsyncLearner:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def _read(self, timeout_s: float | None) -> _Raw | None:
+    async def _next_ranked(self, timeout_s: float | None) -> LearnerBatch | None:
+        """The current batch of the learner ranks, this rank's part of it (``pipeline.learner.ranks``)."""
+        assert self._ranks is not None
+        await self._ensure_ready()
+        while True:
+            cur = await self._ranks.next(timeout_s, self._read_for_ranks)
+            if cur is None:
+                return None
+            rows: Any = await self.redis.xrange(self.consumer.key, cur.entry_id, cur.entry_id)
+            if not rows or not rows[0][1]:
+                await self._ranks.drop(cur.entry_id)
+                continue
+            d = Delivery(cur.entry_id, rows[0][1], reclaimed=cur.redelivered)
+            msg = decode(d.payload, self.limits)  # the reading rank checked that it decodes
+            assert isinstance(msg, BatchManifest | TrainBatch)
+            self.consumer.owned.add(d.entry_id)  # its lease is renewed while this rank holds it
+            if isinstance(msg, TrainBatch):
+                raw = _Raw(d, batch_part(msg, self.rank, self.world_size), [], cur.version, (), cur.generation)
+            else:
+                part = manifest_part(msg, self.rank, self.world_size)
+                payloads = await self._mget([r.key for r in part.refs]) if part.refs else []
+                raw = _Raw(d, part, payloads, cur.version, tuple(r.key for r in msg.refs), cur.generation)
+            got = await self._build(raw)
+            assert got is not None  # a rank's part is handed out even when empty
+            return got
+
+    async def _read_for_ranks(self, block_s: float) -> tuple[Delivery, int] | None:
+        """On the rank that reads for all: the next entry that decodes, with the current policy version."""
+        raw = await self._read(block_s, fetch=False)
+        if raw is None:
+            return None
+        return raw.delivery, await self.policy_version()
+
+    async def _mget(self, keys: list[str]) -> list[bytes | None]:
+        return await (self.redis.mget_nonatomic(keys) if self._cluster else self.redis.mget(keys))  # type: ignore[attr-defined,no-any-return]
+
+    async def _read(self, timeout_s: float | None, *, fetch: bool = True) -> _Raw | None:
         """The next batch entry, decoded, with its groups' payloads fetched (one MGET); not validated yet."""
-        if not self._ready:
-            await self.consumer.ensure_group()
-            self._ready = True
+        await self._ensure_ready()
         loop = asyncio.get_running_loop()
         end = None if timeout_s is None else loop.time() + timeout_s
         while True:
@@ -176,26 +229,40 @@ class AsyncLearner:
                 except DecodeError as e:
                     await self.consumer.dead_letter(d, f"decode_error: {e}")
                     continue
-                if isinstance(msg, TrainBatch):
+                if isinstance(msg, TrainBatch) or not fetch:
                     return _Raw(d, msg, [])
-                keys = [r.key for r in msg.refs]
                 try:
-                    payloads: list[bytes | None] = await (
-                        self.redis.mget_nonatomic(keys) if self._cluster else self.redis.mget(keys)  # type: ignore[attr-defined]
-                    )
+                    payloads = await self._mget([r.key for r in msg.refs])
                 except BaseException:
                     self.consumer.release([d])  # not handed out: pending, so a later read reclaims it
                     raise
                 return _Raw(d, msg, payloads)
+            await self._hint()
             if end is not None and loop.time() >= end:
                 return None
 
     async def _build(self, raw: _Raw) -> LearnerBatch | None:
-        """Validate and weigh a batch's groups; ``None`` (batch settled) if none is usable."""
+        """Validate, check for staleness and weigh a batch's groups; ``None`` (batch settled) if none is
+        usable. With learner ranks, ``raw`` holds this rank's part, which is handed out even when empty."""
         d, m = raw.delivery, raw.msg
+        version = raw.version if raw.version is not None else await self.policy_version()
+        bound = resolve_bound(m.stats, self.max_staleness)
+        ranked = self._ranks is not None
         if isinstance(m, TrainBatch):
-            return LearnerBatch(d.entry_id, m, d.reclaimed, d)
+            keep = [i for i, g in enumerate(m.groups) if not is_stale(g.group.policy_version, version, bound)]
+            if self.on_stale == "dead_letter" and len(keep) < len(m.groups):
+                for i in sorted(set(range(len(m.groups))) - set(keep)):
+                    log.warning("stale_group_left_out", batch_id=m.batch_id, group_id=m.groups[i].group_id,
+                                reason=self._stale_reason(m.groups[i].group.policy_version, version, bound))
+                    self._count_stale()
+                m2 = select_groups(m, keep)
+            else:
+                m2 = m
+            stats = delivery_stats(m.stats, [g.group.policy_version for g in m2.groups], version,
+                                   len(m.groups) - len(m2.groups))
+            return self._batch(d, msgspec.structs.replace(m2, stats=stats), (), raw.generation)
         groups: list[ScoredGroup] = []
+        dropped = 0
         for ref, data in zip(m.refs, raw.payloads, strict=True):
             if data is None:
                 metrics.PAYLOAD_MISSING.labels("learner").inc()
@@ -209,12 +276,32 @@ class AsyncLearner:
                 metrics.DECODE_ERRORS.labels("learner").inc()
                 await self._dead_letter_group(d, m, ref, data, f"decode_error: {e}")
                 continue
+            gv = g.group.policy_version
+            if self.on_stale == "dead_letter" and is_stale(gv, version, bound):
+                self._count_stale()
+                await self._dead_letter_group(d, m, ref, data, self._stale_reason(gv, version, bound))
+                dropped += 1
+                continue
             groups.append(g)
-        if not groups:
+        keys = raw.all_keys if ranked else tuple(r.key for r in m.refs)
+        if not groups and not ranked:
             log.warning("batch_without_usable_groups", batch_id=m.batch_id, groups=len(m.refs))
             await self.consumer.ack([d])
             return None
-        return LearnerBatch(d.entry_id, materialize(m, groups), d.reclaimed, d, tuple(r.key for r in m.refs))
+        stats = delivery_stats(m.stats, [g.group.policy_version for g in groups], version, dropped)
+        return self._batch(d, materialize(msgspec.structs.replace(m, stats=stats), groups), keys, raw.generation)
+
+    def _batch(self, d: Delivery, b: TrainBatch, keys: tuple[str, ...], generation: int) -> LearnerBatch:
+        return LearnerBatch(d.entry_id, b, d.reclaimed, d, keys, self.rank, self.world_size, generation)
+
+    @staticmethod
+    def _stale_reason(group_version: int, version: int, bound: int | None) -> str:
+        return (f"stale: sampled by policy version {group_version}, {version - group_version} versions behind "
+                f"version {version} at delivery (max_staleness {bound})")
+
+    @staticmethod
+    def _count_stale() -> None:
+        metrics.DEAD_LETTERED.labels("learner", "stale").inc()
 
     async def _dead_letter_group(
         self, d: Delivery, m: BatchManifest, ref: GroupRef, data: bytes | None, reason: str
@@ -233,11 +320,24 @@ class AsyncLearner:
         while (b := await self.next_batch(timeout_s)) is not None:
             yield b
 
-    async def ack(self, batch: LearnerBatch) -> None:
+    async def ack(self, batch: LearnerBatch) -> bool:
         """Call after the optimiser step: the batch will not be delivered again, and its groups' payloads
         are deleted (after the batch is settled: a crash in between leaves them behind, never a batch
-        without its groups)."""
-        await self.consumer.ack([batch.delivery], then_delete=batch.payload_keys)
+        without its groups).
+
+        Learner ranks: counts this rank's ack; the batch is settled when every rank of one generation has
+        acked it. ``False`` when the ack is refused because a rank restarted meanwhile: every rank then gets
+        the whole batch again from ``next_batch``."""
+        if self._ranks is None:
+            await self.consumer.ack([batch.delivery], then_delete=batch.payload_keys)
+            return True
+        res = await self._ranks.ack(batch.entry_id, batch.generation)
+        self.consumer.owned.discard(batch.entry_id)
+        if res == 2 and batch.payload_keys:
+            await retry_transient(lambda: self.redis.delete(*batch.payload_keys), deadline_s=60)
+        if res == 2:
+            metrics.ACKED.labels("batches").inc()
+        return res > 0
 
     async def publish_policy_version(self, version: int) -> None:
         await self.redis.set(self.keys.policy_version, int(version))
@@ -248,11 +348,12 @@ class AsyncLearner:
 
     async def aclose(self) -> None:
         """Stop prefetching (a batch it already read stays pending and comes back) and close."""
-        if self._ahead is not None:
-            self._ahead.cancel()
-            with contextlib.suppress(BaseException):
-                await self._ahead
-            self._ahead = None
+        for task in (self._ahead, self._lease):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        self._ahead = self._lease = None
         if self._own:
             await self.redis.aclose()
 
@@ -273,7 +374,10 @@ class Learner:
         self._thread.start()
         try:
             self._client: AsyncLearner = self._call(_make(redis_url, kwargs))
+            self._call(self._client.check())  # one line (LearnerConnectionError) when Redis is unreachable
         except BaseException:
+            if hasattr(self, "_client"):
+                self._call(self._client.aclose())
             self._stop_loop()
             raise
 
@@ -292,14 +396,27 @@ class Learner:
         while (b := self.next_batch(timeout_s)) is not None:
             yield b
 
-    def ack(self, batch: LearnerBatch) -> None:
-        self._call(self._client.ack(batch))
+    def ack(self, batch: LearnerBatch) -> bool:
+        return self._call(self._client.ack(batch))
 
     def publish_policy_version(self, version: int) -> None:
         self._call(self._client.publish_policy_version(version))
 
     def policy_version(self) -> int:
         return self._call(self._client.policy_version())
+
+    @property
+    def rank(self) -> int:
+        return self._client.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._client.world_size
+
+    @property
+    def client(self) -> AsyncLearner:
+        """The ``AsyncLearner`` this client drives (on its own event loop thread)."""
+        return self._client
 
     def close(self) -> None:
         try:

@@ -8,12 +8,13 @@ Per step: read a batch (``pipeline.learner.client.Learner``), ``to_torch`` it, a
               (coef * (teacher logprob - student logprob) of each sampled token: reverse KL)
   + kd_weight * top-k forward KL to the teacher (with a tail bucket)
 
-then ack the batch, and every ``sync_every`` steps publish the weights (safetensors) and the new
-policy version, which rollout workers pick up, with the optimizer's state beside them
-(``pipeline.learner.checkpoint``): started on a weights directory that holds published weights, the
-learner goes on from them (weights, policy version, optimizer state and step count). Each step's figures
-go to ``--metrics-file`` (JSONL), including the batch's sampled reverse KL and, every ``eval_every``
-steps, the exact reverse KL to the teacher on held-out prompts.
+then checkpoint (model, optimizer, step, version: ``pipeline.learner.checkpoint``), ack the batch, and
+every ``sync_every`` steps publish the weights (safetensors) and the new policy version, which rollout
+workers pick up. In that order a crash loses no update and trains no batch twice: a restarted learner
+restores its checkpoint, publishes its weights again, and acknowledges without training a redelivered
+batch that the checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL),
+including the batch's sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to
+the teacher on held-out prompts.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from typing import Any
 import structlog
 import torch
 
-from pipeline.learner.checkpoint import load_optimizer, save_optimizer
+from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from pipeline.learner.checks import LearnerConnectionError
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.tinymodels import arithmetic_problem, load_causal_lm
-from pipeline.models.weights import load_weights, save_weights
+from pipeline.models.weights import save_weights
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")
@@ -60,6 +62,7 @@ class LearnerConfig:
     redis_url: str | None = None
     namespace: str | None = None
     seed: int = 0
+    checkpoint_dir: str | None = None  # default: <weights_dir>/checkpoint
 
 
 def heldout_prompts(tokenizer: Any, n: int, seed: int = 12345) -> list[list[int]]:
@@ -90,35 +93,35 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
         student.train()
         return kl
 
+    ckpt_dir = cfg.checkpoint_dir or str(Path(cfg.weights_dir) / "checkpoint")
     with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
-        version, first = start_or_resume(student, opt, learner, cfg.weights_dir)
-        rec0: dict[str, float] = {"step": float(first), "policy_version": float(version)}
+        ckpt, version, step = restore(ckpt_dir, student, opt, learner, cfg.weights_dir)
+        rec0: dict[str, float] = {"step": float(step), "policy_version": float(version)}
         if teacher is not None:
-            rec0["heldout_reverse_kl"] = evaluate(first)
+            rec0["heldout_reverse_kl"] = evaluate(step)
         _emit(rec0, history, out, on_step)
         student.train()
-        last = first + cfg.steps
-        for step in range(first + 1, last + 1):
+        while step < cfg.steps:
             b = learner.next_batch(cfg.batch_timeout_s)
             if b is None:
-                log.warning("no_batch", waited_s=cfg.batch_timeout_s, step=step)
+                log.warning("no_batch", waited_s=cfg.batch_timeout_s, step=step + 1)
                 break
+            if ckpt is not None and ckpt.trained(b.batch.batch_id):
+                learner.ack(b)  # a crash came between its checkpoint and its ack: already in the weights
+                continue
+            step += 1
             t0 = time.perf_counter()
             loss, pg, kd = optimiser_step(student, opt, b.batch, cfg)
-            learner.ack(b)  # after the optimiser step: a crash before this redelivers the batch
-            if step % cfg.sync_every == 0:
-                version += 1
-                save_optimizer(opt, cfg.weights_dir, version=version, step=step)  # before the weights it matches
+            version += (synced := step % cfg.sync_every == 0)
+            # Checkpoint, then ack, then publish: a crash before the checkpoint redelivers the batch to the
+            # previous checkpoint; after it, the batch is acked again untrained (``trained`` above).
+            save_checkpoint(ckpt_dir, student, opt, step=step, policy_version=version, batch_ids=[b.batch.batch_id])
+            learner.ack(b)
+            if synced:
                 save_weights(student, cfg.weights_dir, version)
                 learner.publish_policy_version(version)
-            stats = b.batch.stats or {}
-            rec: dict[str, float] = {
-                "step": float(step), "loss": float(loss), "pg_loss": float(pg), "kd_loss": float(kd),
-                "batch_reverse_kl": stats.get("reverse_kl", float("nan")), "tokens": stats.get("tokens", 0.0),
-                "groups": stats.get("groups", 0.0), "policy_version": float(version),
-                "batch_policy_version": float(b.batch.policy_version), "step_s": time.perf_counter() - t0,
-            }
-            if teacher is not None and (step % cfg.eval_every == 0 or step == last):
+            rec = _record(step, (loss, pg, kd), b.batch, version, time.perf_counter() - t0)
+            if teacher is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec["heldout_reverse_kl"] = evaluate(step)
             _emit(rec, history, out, on_step)
     if out is not None:
@@ -126,21 +129,18 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
     return history
 
 
-def start_or_resume(student: Any, opt: torch.optim.Optimizer, learner: Learner, weights_dir: str) -> tuple[int, int]:
-    """(policy version, step) to go on from, published. A learner restarted on published weights continues from
-    them: weights, policy version, optimizer state and step; else the student's weights are published under the
-    current version (0 if none)."""
-    resumed = load_weights(student, weights_dir)
-    version = resumed if resumed is not None else max(learner.policy_version(), 0)
-    first = 0
-    if resumed is None:
-        save_weights(student, weights_dir, version)
-    else:
-        restored = load_optimizer(opt, weights_dir, version=version)
-        first = restored.step if restored is not None else 0
-        log.info("resumed", policy_version=version, step=first, optimizer_state=restored is not None)
+def restore(ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, learner: Learner,
+            weights_dir: str) -> tuple[Checkpoint | None, int, int]:
+    """(checkpoint, policy version, step) to go on from. A restarted learner continues from its checkpoint;
+    either way the weights it starts from are saved for the samplers and their version published (again)."""
+    ckpt = load_checkpoint(ckpt_dir, student, opt)
+    if ckpt is not None:
+        log.info("resumed", checkpoint=str(ckpt.path), step=ckpt.step, policy_version=ckpt.policy_version,
+                 optimizer_state=(ckpt.path / "optimizer.safetensors").exists())
+    version = ckpt.policy_version if ckpt is not None else max(learner.policy_version(), 0)
+    save_weights(student, weights_dir, version)
     learner.publish_policy_version(version)
-    return version, first
+    return ckpt, version, ckpt.step if ckpt is not None else 0
 
 
 def optimiser_step(
@@ -166,6 +166,19 @@ def optimiser_step(
     return float(loss.detach()), float(pg.detach()), float(kd.detach())  # float() of a grad tensor warns
 
 
+def _record(step: int, losses: tuple[float, float, float], batch: TrainBatch, version: int,
+            step_s: float) -> dict[str, float]:
+    stats = batch.stats or {}
+    lags = [int(k.split("_", 1)[1]) for k in stats if k.startswith("staleness_")]  # at delivery
+    return {
+        "step": float(step), "loss": float(losses[0]), "pg_loss": float(losses[1]), "kd_loss": float(losses[2]),
+        "batch_reverse_kl": stats.get("reverse_kl", float("nan")), "tokens": stats.get("tokens", 0.0),
+        "groups": stats.get("groups", 0.0), "policy_version": float(version),
+        "batch_policy_version": float(batch.policy_version), "staleness_max": float(max(lags, default=0)),
+        "step_s": step_s,
+    }
+
+
 def _emit(rec: dict[str, float], history: list[dict[str, float]], out: Any,
           on_step: Callable[[dict[str, float]], None] | None) -> None:
     history.append(rec)
@@ -187,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         ("pg-weight", float, 1.0), ("kd-weight", float, 1.0), ("sync-every", int, 1), ("eval-teacher", str, None),
         ("eval-every", int, 25), ("eval-prompts", int, 48), ("metrics-file", str, None),
         ("batch-timeout", float, 60.0), ("redis-url", str, None), ("namespace", str, None),
+        ("checkpoint-dir", str, None),
     ):
         p.add_argument(f"--{name}", type=typ, default=default, required=name in ("student", "weights-dir"))
     a = p.parse_args(argv)
@@ -194,9 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LearnerConfig(student=a.student, weights_dir=a.weights_dir, steps=a.steps, lr=a.lr, pg_weight=a.pg_weight,
                         kd_weight=a.kd_weight, sync_every=a.sync_every, eval_teacher=a.eval_teacher,
                         eval_every=a.eval_every, eval_prompts=a.eval_prompts, metrics_file=a.metrics_file,
-                        batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace)
+                        batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace,
+                        checkpoint_dir=a.checkpoint_dir)
     Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
-    history = train(cfg)
+    try:
+        history = train(cfg)
+    except LearnerConnectionError as e:  # one line, not a traceback
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return 3
     return 0 if len(history) > 1 else 1  # history[0] is the step-0 record: no step ran without a batch
 
 

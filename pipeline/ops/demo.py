@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipeline.config import RedisSettings
-from pipeline.learner.checkpoint import OPTIMIZER_FILE
+from pipeline.learner.checkpoint import LATEST
 from pipeline.models.tinymodels import arithmetic_problem
 from pipeline.models.weights import WEIGHTS_FILE
 from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
@@ -95,8 +95,10 @@ def clear_outputs(out: Path) -> list[str]:
 
 
 def can_resume(out: Path) -> bool:
-    """Whether ``out`` holds a learner checkpoint to go on from: published weights and the optimizer's state."""
-    return all((out / "weights" / name).exists() for name in (WEIGHTS_FILE, OPTIMIZER_FILE))
+    """Whether ``out`` holds a learner checkpoint to go on from (model, optimizer, step and version) and the
+    weights it published."""
+    weights = out / "weights"
+    return (weights / WEIGHTS_FILE).exists() and (weights / "checkpoint" / LATEST).exists()
 
 
 async def live_workers(settings: RedisSettings, keys: Keys) -> int:
@@ -133,7 +135,9 @@ async def clear_namespace(settings: RedisSettings, keys: Keys, *, jobs: bool = T
     return deleted
 
 
-def process_specs(cfg: DemoConfig, student: Path, teacher: Path) -> list[ProcSpec]:
+def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int = 0) -> list[ProcSpec]:
+    """The demo's processes; ``first_step``: the learner step a resumed run goes on from (its ``--steps`` is the
+    total to reach, so ``cfg.steps`` more)."""
     weights = str(cfg.out / "weights")
     specs = [
         ProcSpec(f"rollout-{i}", distillq_argv(
@@ -150,7 +154,8 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path) -> list[ProcSpe
             "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness", "3",
             "--max-wait", "0.5", "--kl-coef", "1.0", "--consumer-name", "feeder-0")),
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.learner.example", "--student", str(student),
-                             "--weights-dir", weights, "--steps", str(cfg.steps), "--eval-teacher", str(teacher),
+                             "--weights-dir", weights, "--steps", str(first_step + cfg.steps),
+                             "--eval-teacher", str(teacher),
                              "--eval-every", str(cfg.eval_every), "--metrics-file", str(cfg.out / "metrics.jsonl"),
                              "--batch-timeout", "60"], restart=False),
     ]
@@ -205,8 +210,9 @@ def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console
            "TOKENIZERS_PARALLELISM": "false", "DISTILLQ_HEARTBEAT_INTERVAL_S": "1"}
     if cfg.jobs_redis_url:
         env["DISTILLQ_JOBS_REDIS_URL"] = cfg.jobs_redis_url
-    sup = Supervisor(process_specs(cfg, student, teacher), cfg.out / "logs", base_env=env)
     earlier = read_history(cfg.out / "metrics.jsonl")
+    first_step = int(max((r.get("step", 0) for r in earlier), default=0))
+    sup = Supervisor(process_specs(cfg, student, teacher, first_step), cfg.out / "logs", base_env=env)
     result = DemoResult(earlier=earlier)
     t0 = time.monotonic()
     sup.start()

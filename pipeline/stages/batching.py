@@ -227,8 +227,10 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
         stats["reverse_kl"] = observed
     for lag, n in sorted(staleness.items()):
         stats[f"staleness_{lag}"] = float(n)
+    stats["max_staleness"] = float(-1 if cfg.max_staleness is None else cfg.max_staleness)  # the learner's bound
+    refs = [GroupRef(p.group_id, p.key, p.entry_id, p.tokens) for p in items]
     manifest = BatchManifest(
-        batch_id=uuid.uuid4().hex, refs=[GroupRef(p.group_id, p.key, p.entry_id) for p in items], kl_coef=kl_coef,
+        batch_id=uuid.uuid4().hex, refs=refs, kl_coef=kl_coef,
         reward_weight=cfg.reward_weight, policy_version=policy_version, created_at=time.time(), stats=stats,
     )
     return BuiltBatch(manifest, observed, [p.entry_id for p in items], [p.ref for p in items])

@@ -86,14 +86,22 @@ class Feeder:
         max_buffered_groups: int = 1024,
         shards: int = 1,
         assigned: Sequence[int] | None = None,
+        max_ready_batches: int | None = None,
     ) -> None:
+        """``max_ready_batches``: batches written and not yet acknowledged by the learner, at most (the
+        feeder waits, its groups pending, rather than build batches far ahead of the learner: their groups
+        would age meanwhile); ``None``: up to ``settings.max_backlog``."""
         self.redis, self.keys, self.cfg = redis, keys, cfg
         self.settings = s = settings or StreamSettings()
         self.controller = controller
         self.name = consumer_name or default_consumer_name("feeder")
         self.consumer = make_consumer(redis, keys, "scored", self.name, s, stage="feeder", shards=shards,
                                       assigned=assigned, resolve_payloads=False)
-        self.producer = StreamProducer(redis, keys, "batches", s)
+        if max_ready_batches is not None and max_ready_batches < 1:
+            raise ValueError("max_ready_batches must be >= 1")
+        ready = s if max_ready_batches is None else s.model_copy(
+            update={"max_backlog": min(s.max_backlog, max_ready_batches)})
+        self.producer = StreamProducer(redis, keys, "batches", ready)
         self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s)
         self.max_buffered = max_buffered_groups
         self.state = FeederState()

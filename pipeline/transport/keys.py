@@ -18,6 +18,11 @@ key                                                type          written by / me
                                                                  client when it acks the batch holding the group
 ``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
 ``ns:policy_version``                              string        learner: current policy version (int)
+``{ns:batches}:ranks``                             hash          learner ranks: world size, generation, the batch
+                                                                 entry all ranks work on, its delivery version
+``{ns:batches}:ranks:joined``                      hash          learner ranks: rank -> process token (this gen)
+``{ns:batches}:ranks:acked``                       set           learner ranks: ranks that acked the current batch
+``{ns:batches}:ranks:reading``                     string (TTL)  learner ranks: the rank reading the next batch
 ``ns:kl``                                          string        feeder: KL controller state (JSON)
 ``ns:dropped:<group id>``                          string (TTL)  feeder: why it dropped a group (stale, no payload;
                                                                  JSON), for ``distillq where``
@@ -188,6 +193,14 @@ class Keys:
     @property
     def policy_version(self) -> str:
         return f"{self.namespace}:policy_version"
+
+    def learner_ranks(self, part: str = "") -> str:
+        """Coordination of learner ranks (``pipeline.learner.ranks``): the state hash, or one of its parts
+        (``joined``, ``acked``, ``reading``); all in the batches stream's hash slot, so one script touches
+        them and the stream together."""
+        if part not in ("", "joined", "acked", "reading"):
+            raise ValueError(f"unknown learner ranks key {part!r}")
+        return f"{self.stream('batches')}:ranks" + (f":{part}" if part else "")
 
     @property
     def kl_state(self) -> str:

@@ -17,7 +17,21 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipeline.ops.cli import demo, dlq, enqueue, namespaces, push, serve, shards, stats, tail, up, where, worker
+    from pipeline.ops.cli import (
+        demo,
+        dlq,
+        enqueue,
+        models,
+        namespaces,
+        push,
+        serve,
+        shards,
+        stats,
+        tail,
+        up,
+        where,
+        worker,
+    )
     from workers.common import HelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -27,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                         help="DEBUG, INFO, WARNING or ERROR (default: $DISTILLQ_LOG_LEVEL or INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, enqueue, push, tail, where, up, worker, stats, namespaces, dlq, shards, serve):
+    for module in (demo, enqueue, push, tail, where, up, worker, stats, namespaces, dlq, shards, serve, models):
         module.add_parser(sub)
     return parser
 
