@@ -96,7 +96,8 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
     ckpt_dir = cfg.checkpoint_dir or str(Path(cfg.weights_dir) / "checkpoint")
     with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
         ckpt = load_checkpoint(ckpt_dir, student, opt)  # a restarted learner continues from its checkpoint
-        version, step = (ckpt.policy_version, ckpt.step) if ckpt else (max(learner.policy_version(), 0), 0)
+        version = ckpt.policy_version if ckpt is not None else max(learner.policy_version(), 0)
+        step = ckpt.step if ckpt is not None else 0
         save_weights(student, cfg.weights_dir, version)  # (again) what the checkpoint holds, then its version
         learner.publish_policy_version(version)
         rec0: dict[str, float] = {"step": float(step), "policy_version": float(version)}
@@ -104,8 +105,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             rec0["heldout_reverse_kl"] = evaluate(step)
         _emit(rec0, history, out, on_step)
         student.train()
-        first = step  # ``steps`` more steps in this run, numbered on from the checkpoint's
-        while step - first < cfg.steps:
+        while step < cfg.steps:
             b = learner.next_batch(cfg.batch_timeout_s)
             if b is None:
                 log.warning("no_batch", waited_s=cfg.batch_timeout_s, step=step + 1)
@@ -125,7 +125,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
                 save_weights(student, cfg.weights_dir, version)
                 learner.publish_policy_version(version)
             rec = _record(step, (loss, pg, kd), b.batch, version, time.perf_counter() - t0)
-            if teacher is not None and (step % cfg.eval_every == 0 or step - first == cfg.steps):
+            if teacher is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec["heldout_reverse_kl"] = evaluate(step)
             _emit(rec, history, out, on_step)
     if out is not None:
