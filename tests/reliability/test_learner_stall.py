@@ -83,8 +83,9 @@ async def test_learner_stall_bounded_streams_and_memory(
     r = redis_client(private_redis.url)
     workers.env["DISTILLQ_MAX_BACKLOG"] = str(CAP)
     t1 = workers.teacher("t1", "--top-k", str(K))
+    # --max-ready-batches 0: the batches stream is bounded by DISTILLQ_MAX_BACKLOG alone, the cap under test.
     f1 = workers.add("f1", "feeder", "--max-batch-groups", str(GROUPS_PER_BATCH), "--max-wait", "0.2",
-                     "--max-staleness", "-1")
+                     "--max-staleness", "-1", "--max-ready-batches", "0")
     for stage, p in (("teacher", t1), ("feeder", f1)):
         up = functools.partial(_has_pid, r, keys.heartbeat(stage, p.name), p.pid)
         assert await wait_until(up, 30), p.log_text()[-2000:]
