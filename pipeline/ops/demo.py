@@ -152,6 +152,7 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
             "--top-k", str(cfg.top_k), "--consumer-name", "teacher-0")),
         ProcSpec("feeder", distillq_argv(
             "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness", "3",
+            "--max-ready-batches", "2",  # a learner publishing every step: ready batches stay within the bound
             "--max-wait", "0.5", "--kl-coef", "1.0", "--consumer-name", "feeder-0")),
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.learner.example", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(first_step + cfg.steps),
