@@ -268,6 +268,39 @@ async def test_tree_tracking_matches_verifiers_graph_on_branching_histories(
     assert seen["extended"] >= 3 and seen["split"] >= 3 and seen["edited"] >= 3  # every case was exercised
 
 
+async def test_train_mode_with_stop_strings_records_what_the_server_returned(
+    student: str, r: aioredis.Redis, namespace: str
+) -> None:
+    """``SamplingConfig(stop=[...])`` reaches ``/inference/v1/generate`` as given; the server ends each reply at
+    the token completing a stop string, and what verifiers records equals what is pushed."""
+    client = TrainClient(client_config(student))
+    dialect = ChatDialect()
+    agent = vf.AgentConfig(model=MODEL, client=client_config(student))
+    traces, finishes = [], []
+    for conv in range(6):
+        task = TraceTask(type="Stop", data={"conv": conv}, key=f"stop{conv}")
+        trace = Trace(task=task, agent=AgentInfo(config=agent))
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": f"{conv}*{conv}="}]
+        for turn in range(2):
+            body = {"model": MODEL, "messages": msgs}
+            req = dialect.parse_request(body)
+            pending = graph.prepare_turn(trace, req.messages, req.tools)
+            sampling = vf.SamplingConfig(temperature=1.0, max_tokens=24, seed=10 * conv + turn, stop=["a", "e", "1"])
+            resp = await client.get_response(dialect, body, sampling, session_id=trace.id, turn=pending)
+            pending.commit(resp)
+            finishes.append(resp.finish_reason)
+            msgs = [*msgs, {"role": "assistant", "content": resp.message.content or ""},
+                    {"role": "user", "content": "more"}]
+        trace.rewards = {"r": Reward(score=1.0)}
+        trace.ok = True
+        traces.append(trace)
+    await client.close()
+    await finish(student, traces, group_size=1)
+    groups = [g for g in await read_groups(r, Keys(namespace)) if g.task_id.startswith("stop")]
+    assert assert_same(traces, groups) >= 6
+    assert finishes.count("stop") >= 4  # replies ended by a stop string (or the end-of-sequence token)
+
+
 async def test_eval_mode_streams_chat_completions(student: str, r: aioredis.Redis, namespace: str) -> None:
     """verifiers' eval client relays the harness's streaming chat request (``stream_options.include_usage``)
     and parses the server-sent events; the server tracks the rollout by rendering the chat template."""
