@@ -8,10 +8,10 @@ Per step: read a batch (``pipeline.learner.client.Learner``), ``to_torch`` it, a
               (coef * (teacher logprob - student logprob) of each sampled token: reverse KL)
   + kd_weight * top-k forward KL to the teacher (with a tail bucket)
 
-then ack the batch, and every ``sync_every`` steps publish the weights (safetensors) and the new
-policy version, which rollout workers pick up. Each step's figures go to ``--metrics-file`` (JSONL),
-including the batch's sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to
-the teacher on held-out prompts.
+then ack the batch, and every ``sync_every`` steps publish the weights (a Hugging Face checkpoint folder
+per version, ``Learner.publish_weights``) and the new policy version, which rollout workers and student
+servers pick up. Each step's figures go to ``--metrics-file`` (JSONL), including the batch's sampled
+reverse KL and, every ``eval_every`` steps, the exact reverse KL to the teacher on held-out prompts.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.tinymodels import arithmetic_problem, load_causal_lm
-from pipeline.models.weights import load_weights, save_weights
+from pipeline.models.weights import load_weights
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")
@@ -91,8 +91,9 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
         resumed = load_weights(student, cfg.weights_dir)  # a restarted learner continues from what it published
         version = resumed if resumed is not None else max(learner.policy_version(), 0)
         if resumed is None:
-            save_weights(student, cfg.weights_dir, version)
-        learner.publish_policy_version(version)
+            learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
+        else:
+            learner.publish_policy_version(version)
         rec0: dict[str, float] = {"step": 0.0, "policy_version": float(version)}
         if teacher is not None:
             rec0["heldout_reverse_kl"] = evaluate(0)
@@ -108,8 +109,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             learner.ack(b)  # after the optimiser step: a crash before this redelivers the batch
             if step % cfg.sync_every == 0:
                 version += 1
-                save_weights(student, cfg.weights_dir, version)
-                learner.publish_policy_version(version)
+                learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
             stats = b.batch.stats or {}
             rec: dict[str, float] = {
                 "step": float(step), "loss": float(loss), "pg_loss": float(pg), "kd_loss": float(kd),
