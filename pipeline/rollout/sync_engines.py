@@ -51,6 +51,8 @@ class _HTTP:
             raise EngineError(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
             raise EngineError(f"{method} {self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        if "json" not in resp.headers.get("content-type", "json"):
+            return resp.text  # vLLM's LoRA endpoints answer in plain text
         try:
             return resp.json() if resp.content else None
         except json.JSONDecodeError as e:
@@ -112,7 +114,9 @@ class VLLMLoraEngine(_HTTP):
         self.prefix, self.keep = prefix, keep
 
     def model_for(self, version: int | None) -> str | None:
-        return None if version is None else f"{self.prefix}-v{version}"
+        if version is None:
+            return None
+        return self.prefix if version == 0 else f"{self.prefix}-v{version}"  # 0: the base model, nothing published
 
     def _loaded(self, data: Any) -> list[int]:
         out = []
@@ -125,7 +129,9 @@ class VLLMLoraEngine(_HTTP):
 
     async def version(self, *, anything_published: bool) -> int | None:
         loaded = self._loaded(await self.call("GET", "/v1/models", timeout_s=10.0))
-        return loaded[-1] if loaded else None
+        if loaded:
+            return loaded[-1]
+        return None if anything_published else 0
 
     async def served_root(self) -> str | None:
         return None  # adapters are checked by vLLM itself (rank, target modules)

@@ -183,8 +183,10 @@ class SyncedStudent:
             return
         newest = ckpt.version if ckpt is not None else None
         if not needs_sync(state.version, newest):
-            if state.version is None:  # labelled unsynced by a failed reload, nothing newer to load
-                self._leave(i, "holds no published version")
+            if state.version is None:  # labelled unsynced by a failed reload, and nothing newer to load
+                if state.in_rotation or not state.error:
+                    log.warning("student_server_out_of_rotation", url=state.url, error="holds no published version")
+                state.in_rotation, state.error = False, "holds no published version"
                 return
             if not state.in_rotation:
                 log.info("student_server_back", url=state.url, version=state.version)

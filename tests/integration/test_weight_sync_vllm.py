@@ -161,6 +161,7 @@ async def test_kill_during_reload_leaves_rotation_then_resyncs(tmp_path: Path) -
         student = synced_student(url, weights)
         await student.start()
         killer = KillAfterPause(PIDS[url])
+        await student.engines[0].aclose()
         student.engines[0] = VLLMEngine(url, transport=killer)
         publish(v1, 1, weights)
         failed = count("failed")
@@ -170,6 +171,7 @@ async def test_kill_during_reload_leaves_rotation_then_resyncs(tmp_path: Path) -
         with pytest.raises(Exception, match="no student server in the rotation"):
             student.wait_s = 1.0
             await student.generate(PROMPT, max_tokens=2)
+    await student.engines[0].aclose()
     student.engines[0] = VLLMEngine(url)
     with vllm_server(model_dir, NAME, tmp_path / "b.log", *EXTRA, port=port, env=DEV):
         assert weight_version(url) == "default"  # restarted on its original weights
