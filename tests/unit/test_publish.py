@@ -13,7 +13,15 @@ import torch
 from pipeline.learner.publish import publish_weights, write_checkpoint
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.models.weights import (
-    LATEST, MARKER, CheckpointError, check_fits, checkpoint_shapes, folder_name, latest, load_weights, read_config,
+    LATEST,
+    MARKER,
+    CheckpointError,
+    check_fits,
+    checkpoint_shapes,
+    folder_name,
+    latest,
+    load_weights,
+    read_config,
 )  # fmt: skip
 
 

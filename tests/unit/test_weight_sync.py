@@ -19,7 +19,14 @@ from pipeline.rollout.student_vllm import VLLMStudent
 from pipeline.rollout.sync_engines import SGLangEngine, VLLMEngine, VLLMLoraEngine
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import (
-    ServerState, attribute, attribution, needs_sync, parse_version, record, request_version, retry_delay_s,
+    ServerState,
+    attribute,
+    attribution,
+    needs_sync,
+    parse_version,
+    record,
+    request_version,
+    retry_delay_s,
 )  # fmt: skip
 from tests.stubs.sync_stub import SGLangSyncStub, VLLMSyncStub
 from workers.rollout import RESAMPLES, sample_attributed
