@@ -153,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput-s", type=float, default=20.0)
     p.add_argument("--step-s", type=float, default=1.0)
     a = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    load = open("/proc/loadavg").read().split()[:3]
-    print(f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, {platform.processor() or platform.machine()}, "
-          f"load average at start {' '.join(load)}")
-    print("| model | checkpoint bytes | publish s | sync s (pause to resume) | restart s (stop to ready) | restart / sync |")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, "
+          f"{platform.processor() or platform.machine()}, load average at start {' '.join(load)}")
+    print("| model | checkpoint bytes | publish s | sync s (pause to resume) | restart s (stop to ready) "
+          "| restart / sync |")
     print("|---|---|---|---|---|---|")
     rates: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:

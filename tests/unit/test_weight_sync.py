@@ -240,3 +240,46 @@ async def test_sglang_update_weights_from_disk(weights: Path) -> None:
     assert len([p for p in stub.paths() if p == "/update_weights_from_disk"]) == 2 and stub.label == "1"
     await student.aclose()
     await stub.stop()
+
+
+async def test_serve_student_tags_each_group_with_its_servers_version(
+    stubs: list[VLLMSyncStub], weights: Path
+) -> None:
+    """``serve student --weights-dir``: a rollout's requests all ran on one version -> its group carries it;
+    a rollout whose requests straddle a reload is dropped and counted; groups never mix versions."""
+    from pipeline.serve.student_service import FinishRequest, GenerateRequest, ServeConfig, StudentService
+
+    student = synced([stubs[0].url], weights)
+    await student.start()
+    publish(1, weights)
+    await student.sync_once()
+    pushed: list[Any] = []
+
+    async def sink(group: Any) -> None:
+        pushed.append(group)
+
+    config = ServeConfig(served_names=(NAME,), max_model_len=256, group_size=2, versions_from_server=True)
+    service = StudentService(student, config, sink)
+
+    async def rollout(session: str, turns: int = 1) -> dict[str, Any]:
+        for _ in range(turns):
+            await service.generate(GenerateRequest(model=NAME, token_ids=[1, 2, 3]), session)
+        return await service.finish(session, FinishRequest(task="t", reward=1.0, policy_version=99))
+
+    assert (await rollout("a"))["group"] is None  # waits for a second rollout of version 1
+    stubs[0].label = "2"  # the server reloaded (another worker synced it)
+    assert (await rollout("b"))["group"] is None  # version 2: another group, never mixed with "a"
+    assert (await rollout("c"))["group"]["pushed"]
+    assert [g.policy_version for g in pushed] == [2]
+    dropped = metrics.UNATTRIBUTED_SAMPLES.labels("dropped")._value.get()
+    bumps = ["3"]
+
+    async def bump(stub: VLLMSyncStub) -> None:
+        if bumps:
+            stub.label = bumps.pop()
+
+    stubs[0].during_request = bump
+    out = await rollout("d", turns=2)
+    assert "weights changed" in out["skipped"] and out["group"] is None
+    assert metrics.UNATTRIBUTED_SAMPLES.labels("dropped")._value.get() == dropped + 1
+    await student.aclose()
