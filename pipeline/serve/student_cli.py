@@ -79,8 +79,10 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-dir", default=None, metavar="DIR",
                    help="vllm: keep every --url server on the newest version a learner publishes here and tag each "
                         "group with the version its requests ran on (default: none)")
-    p.add_argument("--weights-sync", choices=("vllm", "vllm-lora", "sglang"), default="vllm",
-                   help="with --weights-dir: vllm (reload in place), vllm-lora (an adapter per version) or sglang")
+    p.add_argument("--weights-sync", choices=("vllm", "vllm-lora", "sglang"),
+                   default=os.environ.get("DISTILLQ_WEIGHTS_SYNC") or "vllm",
+                   help="with --weights-dir: vllm (reload in place), vllm-lora (an adapter per version) or sglang "
+                        "(env DISTILLQ_WEIGHTS_SYNC)")
     p.add_argument(
         "--session-ttl",
         type=float,
