@@ -285,3 +285,28 @@ def test_grafana_dashboard_uses_existing_metrics() -> None:
     ds = raw_yaml(ROOT / "ops" / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
     used_uids = {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
     assert {d["uid"] for d in ds["datasources"]} == used_uids
+
+
+def test_deployment_doc_several_student_servers_example(tmp_path: Path) -> None:
+    """The students.yml of docs/deployment.md validates: a second student server on its own GPU, both URLs
+    given to the rollout workers."""
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    block = re.search(r"```yaml\n   # students.yml\n(.*?)   ```", doc, re.S)
+    assert block is not None
+    override = ROOT / f".students-{os.getpid()}.yml"  # next to docker-compose.yml: `extends` resolves from here
+    override.write_text("\n".join(line[3:] for line in block.group(1).splitlines()))
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DISTILLQ_"))}
+        env["STUDENT_URLS"] = "http://vllm-student:8000,http://vllm-student-2:8000"
+        res = subprocess.run([compose_binary(), "-f", str(COMPOSE), "-f", str(override), "config", "--format", "json"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        override.unlink()
+    assert res.returncode == 0, res.stderr
+    services = json.loads(res.stdout)["services"]
+    gpus = [services[s]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for s in ("vllm-student", "vllm-student-2")]
+    assert gpus == [["1"], ["2"]]
+    assert services["vllm-student-2"]["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    cmd = services["rollout-worker"]["command"]
+    assert cmd[cmd.index("--url") + 1] == env["STUDENT_URLS"]
