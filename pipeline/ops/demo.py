@@ -44,6 +44,7 @@ class DemoConfig:
     rollout_workers: int = 1
     timeout_s: float = 240.0
     eval_every: int = 25
+    student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.ops.demo_vllm)
 
 
 @dataclass
@@ -58,14 +59,25 @@ class DemoResult:
 
 
 def process_specs(cfg: DemoConfig, student: Path, teacher: Path) -> list[ProcSpec]:
-    weights = str(cfg.out / "weights")
+    weights = str((cfg.out / "weights").absolute())
+    rest = ("--group-size", str(cfg.group_size), "--max-tokens", "6", "--reward", "math", "--max-jobs", "2")
     specs = [
         ProcSpec(f"rollout-{i}", distillq_argv(
             "worker", "rollout", "--backend", "hf", "--model", str(student), "--weights-dir", weights,
-            "--group-size", str(cfg.group_size), "--max-tokens", "6", "--reward", "math", "--max-jobs", "2",
-            "--consumer-name", f"rollout-{i}"))
+            *rest, "--consumer-name", f"rollout-{i}"))
         for i in range(cfg.rollout_workers)
     ]
+    if cfg.student_backend == "vllm":
+        from pipeline.ops import demo_vllm
+
+        python, port = demo_vllm.vllm_python(), demo_vllm.free_port()
+        assert python is not None, demo_vllm.missing_line()
+        url = f"http://127.0.0.1:{port}"
+        specs = [demo_vllm.server_spec(python, student, port)] + [
+            ProcSpec(f"rollout-{i}", demo_vllm.rollout_argv(student, url, weights, *rest, "--consumer-name",
+                                                            f"rollout-{i}"))
+            for i in range(cfg.rollout_workers)
+        ]
     specs += [
         ProcSpec("teacher", distillq_argv(
             "worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer", str(student),

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -34,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "loopback port, stopped at the end)")
     p.add_argument("--namespace", default=None, metavar="NS",
                    help="key namespace (default: $DISTILLQ_NAMESPACE or demo)")
+    p.add_argument("--student", choices=("hf", "vllm"), default="hf",
+                   help="hf: the student in the rollout workers; vllm: a vLLM server (the CPU build in .venv-vllm) "
+                        "reloaded with the learner's weights after every step")
     p.set_defaults(func=main)
 
 
@@ -46,6 +50,12 @@ def main(args: argparse.Namespace) -> int:
     from pipeline.models.tinymodels import ensure_tiny_models
     from pipeline.ops.demo import DemoConfig, plot, report, run_pipeline
 
+    if args.student == "vllm":
+        from pipeline.ops.demo_vllm import missing_line, vllm_python
+
+        if vllm_python() is None:
+            print(missing_line(), file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)  # on a file or pipe: as wide as the report, nothing wrapped
     t0 = time.monotonic()
@@ -66,8 +76,11 @@ def main(args: argparse.Namespace) -> int:
                 f"training the teacher: step {s + 1}, loss {loss:.3f}"))
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
         namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        from pipeline.ops.demo_vllm import START_S
+
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps,
-                         rollout_workers=args.rollout_workers, timeout_s=args.timeout)
+                         rollout_workers=args.rollout_workers, student_backend=args.student,
+                         timeout_s=args.timeout + (START_S if args.student == "vllm" else 0.0))
         from pipeline.ops.demo import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")
