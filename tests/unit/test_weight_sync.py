@@ -283,3 +283,14 @@ async def test_serve_student_tags_each_group_with_its_servers_version(
     assert "weights changed" in out["skipped"] and out["group"] is None
     assert metrics.UNATTRIBUTED_SAMPLES.labels("dropped")._value.get() == dropped + 1
     await student.aclose()
+
+
+def test_demo_with_a_vllm_student_needs_the_venv() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DISTILLQ_VLLM_PYTHON": "/nonexistent/python"}
+    p = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--student", "vllm"], env=env,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and ".venv-vllm" in p.stderr, p.stderr
