@@ -6,7 +6,8 @@ Per model: start a vLLM server (``VLLM_SERVER_DEV_MODE=1``), then, side by side 
 (a) publish ``--syncs`` new versions (``publish_weights``) and sync the server in place (``VLLMEngine.sync``:
 pause, reload_weights, update_weight_version, resume), timing publish and pause-to-resume, and (b) stop the
 server and start it again on the newest checkpoint folder ``--restarts`` times (what a loop without weight
-sync does), timing stop to ready. ``135m`` is a random-weight Llama of SmolLM2-135M's shapes (hidden 576,
+sync does), timing start to ready (the stop is not counted). ``135m`` is a random-weight Llama of
+SmolLM2-135M's shapes (hidden 576,
 30 layers, 9 heads, 3 key/value heads, intermediate 1536, vocabulary 49,152, tied embeddings) built here.
 Rollout throughput: sampled tokens per second from 4 concurrent requests for ``--throughput-s``, with no
 sync, then with a publish + sync every ``--step-s`` seconds (a learner step), on the tiny model.
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, "
           f"{platform.processor() or platform.machine()}, load average at start {' '.join(load)}")
-    print("| model | checkpoint bytes | publish s | sync s (pause to resume) | restart s (stop to ready) "
+    print("| model | checkpoint bytes | publish s | sync s (pause to resume) | restart s (start to ready) "
           "| restart / sync |")
     print("|---|---|---|---|---|---|")
     rates: list[str] = []
