@@ -188,3 +188,43 @@ async def test_kill_during_reload_leaves_rotation_then_resyncs(tmp_path: Path) -
         assert attribute(seen) == 1
         await student.aclose()
     assert (weights / folder_name(1) / MARKER).exists()
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21
+async def test_lora_adapters_hot_loaded_newest_used_old_unloaded(tmp_path: Path) -> None:
+    """A LoRA student: each published adapter is loaded as NAME-vN, requests go to the newest, and its prompt
+    logprobs equal the merged transformers model; adapters older than the previous one are unloaded."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from pipeline.rollout.sync_engines import VLLMLoraEngine
+
+    weights = tmp_path / "weights"
+    env = {**DEV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+    with vllm_server(ensure_tiny_models().student.resolve(), NAME, tmp_path / "lora.log", *EXTRA, *lora,
+                     env=env) as url:
+        tok = AutoTokenizer.from_pretrained(str(ensure_tiny_models().student))
+        student = SyncedStudent([VLLMStudent(url, NAME, tok)], [VLLMLoraEngine(url, NAME)], str(weights), wait_s=60)
+        await student.start()
+        model = peft.get_peft_model(load_causal_lm(ensure_tiny_models().student),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        g = torch.Generator().manual_seed(0)
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            publish_weights(model, version, weights, publish=lambda v: None)
+            await student.sync_once()
+            merged = copy.deepcopy(model).merge_and_unload()
+            with attribution() as seen:
+                await student.generate(PROMPT, max_tokens=2, seed=version)
+            assert attribute(seen) == version and student.students[0].model == f"{NAME}-v{version}"
+            body = {"model": f"{NAME}-v{version}", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0}
+            entries = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+            got = np.array([e[str(t)]["logprob"] for e, t in zip(entries[1:], PROMPT[1:], strict=True)])
+            np.testing.assert_allclose(got, reference_logprobs(merged, PROMPT), atol=TOL, rtol=0)
+        names = {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+        assert names == {NAME, f"{NAME}-v2", f"{NAME}-v3"}
+        await student.aclose()
