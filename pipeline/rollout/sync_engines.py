@@ -51,12 +51,10 @@ class _HTTP:
             raise EngineError(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
             raise EngineError(f"{method} {self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
-        if "json" not in resp.headers.get("content-type", "json"):
-            return resp.text  # vLLM's LoRA endpoints answer in plain text
         try:
             return resp.json() if resp.content else None
-        except json.JSONDecodeError as e:
-            raise EngineError(f"{method} {self.url}{path}: not JSON: {e}") from e
+        except json.JSONDecodeError:
+            return resp.text  # vLLM's LoRA endpoints answer 200 with a sentence, not JSON
 
     async def served_root(self) -> str | None:
         """The served model's path as the server was given it (``root`` in vLLM's ``/v1/models``)."""

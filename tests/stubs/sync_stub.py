@@ -54,7 +54,7 @@ class _Stub:
                 self.calls.append((method, path, body))
                 status, out = await self.answer(method, path, body)
                 data = out.encode() if isinstance(out, str) else json.dumps(out).encode()
-                ctype = "text/plain" if isinstance(out, str) else "application/json"
+                ctype = "application/json"  # vLLM labels its LoRA endpoints' plain sentences so too
                 writer.write(f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
                              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
                 await writer.drain()
