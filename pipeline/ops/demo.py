@@ -88,7 +88,7 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path) -> list[ProcSpe
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.learner.example", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(cfg.steps), "--eval-teacher", str(teacher),
                              "--eval-every", str(cfg.eval_every), "--metrics-file", str(cfg.out / "metrics.jsonl"),
-                             "--batch-timeout", "60"], restart=False),
+                             "--batch-timeout", "600" if cfg.student_backend == "vllm" else "60"], restart=False),
     ]
     return specs
 

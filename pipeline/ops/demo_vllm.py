@@ -41,7 +41,7 @@ def server_spec(python: Path, student: Path, port: int) -> ProcSpec:
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(student),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.1"]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "2"}
     return ProcSpec("vllm-student", argv, env=env)
 
 
