@@ -45,6 +45,25 @@ STUDENT_SESSIONS_EVICTED: Final = Counter(
 STUDENT_GROUPS: Final = Counter("distillq_student_groups_total", "groups built from finished rollouts", ["kind"])
 
 
+WEIGHT_SYNCS: Final = Counter(
+    "distillq_weight_syncs_total",
+    "student server weight syncs by outcome (ok, failed, refused: checkpoint does not fit, bad_checkpoint)",
+    ["outcome"],
+)
+WEIGHT_SYNC_SECONDS: Final = Histogram(
+    "distillq_weight_sync_seconds", "one server's weight sync, pause to resume",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+STUDENT_SERVERS_IN_ROTATION: Final = Gauge(
+    "distillq_student_servers_in_rotation", "student servers on the newest weights, receiving requests"
+)
+UNATTRIBUTED_SAMPLES: Final = Counter(
+    "distillq_unattributed_samples_total",
+    "samples whose requests did not all run on one weight version (resampled, or dropped)",
+    ["outcome"],
+)
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
     """Expose /metrics on ``host:port`` (port 0 disables)."""
     if port:

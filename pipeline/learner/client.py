@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -363,6 +364,18 @@ class AsyncLearner:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def publish_weights(self, model: Any, version: int, directory: str | Path, keep: int = 3,
+                              **kwargs: Any) -> Path | None:
+        """Write ``model`` as ``version`` into ``directory`` and publish it (``pipeline.learner.publish``)."""
+        from pipeline.learner.publish import publish_weights
+
+        loop = asyncio.get_running_loop()
+
+        def announce(v: int) -> None:  # runs in the writer's thread; the version goes out on this loop
+            asyncio.run_coroutine_threadsafe(self.publish_policy_version(v), loop).result()
+
+        return await asyncio.to_thread(publish_weights, model, version, directory, keep, publish=announce, **kwargs)
+
 
 class Learner:
     """Synchronous learner client: an ``AsyncLearner`` on an event loop in a background thread, so the
@@ -429,6 +442,13 @@ class Learner:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+    def publish_weights(self, model: Any, version: int, directory: str | Path, keep: int = 3,
+                        **kwargs: Any) -> Path | None:
+        """Write ``model`` as ``version`` into ``directory`` and publish it (``pipeline.learner.publish``)."""
+        from pipeline.learner.publish import publish_weights
+
+        return publish_weights(model, version, directory, keep, publish=self.publish_policy_version, **kwargs)
 
 
 async def _make(redis_url: str | None, kwargs: dict[str, object]) -> AsyncLearner:

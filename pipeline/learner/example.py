@@ -9,12 +9,12 @@ Per step: read a batch (``pipeline.learner.client.Learner``), ``to_torch`` it, a
   + kd_weight * top-k forward KL to the teacher (with a tail bucket)
 
 then checkpoint (model, optimizer, step, version: ``pipeline.learner.checkpoint``), ack the batch, and
-every ``sync_every`` steps publish the weights (safetensors) and the new policy version, which rollout
-workers pick up. In that order a crash loses no update and trains no batch twice: a restarted learner
-restores its checkpoint, publishes its weights again, and acknowledges without training a redelivered
-batch that the checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL),
-including the batch's sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to
-the teacher on held-out prompts.
+every ``sync_every`` steps publish the weights (a Hugging Face checkpoint folder per version,
+``Learner.publish_weights``) and the new policy version, which rollout workers and student servers pick up.
+In that order a crash loses no update and trains no batch twice: a restarted learner restores its
+checkpoint, publishes its weights again, and acknowledges without training a redelivered batch that the
+checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL), including the batch's
+sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to the teacher on held-out prompts.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.tinymodels import arithmetic_problem, load_causal_lm
-from pipeline.models.weights import save_weights
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")
@@ -95,7 +94,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
 
     ckpt_dir = cfg.checkpoint_dir or str(Path(cfg.weights_dir) / "checkpoint")
     with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
-        ckpt, version, step = restore(ckpt_dir, student, opt, learner, cfg.weights_dir)
+        ckpt, version, step = restore(ckpt_dir, student, opt, learner, cfg)
         rec0: dict[str, float] = {"step": float(step), "policy_version": float(version)}
         if teacher is not None:
             rec0["heldout_reverse_kl"] = evaluate(step)
@@ -118,8 +117,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             save_checkpoint(ckpt_dir, student, opt, step=step, policy_version=version, batch_ids=[b.batch.batch_id])
             learner.ack(b)
             if synced:
-                save_weights(student, cfg.weights_dir, version)
-                learner.publish_policy_version(version)
+                learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
             rec = _record(step, (loss, pg, kd), b.batch, version, time.perf_counter() - t0)
             if teacher is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec["heldout_reverse_kl"] = evaluate(step)
@@ -130,7 +128,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
 
 
 def restore(ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, learner: Learner,
-            weights_dir: str) -> tuple[Checkpoint | None, int, int]:
+            cfg: LearnerConfig) -> tuple[Checkpoint | None, int, int]:
     """(checkpoint, policy version, step) to go on from. A restarted learner continues from its checkpoint;
     either way the weights it starts from are saved for the samplers and their version published (again)."""
     ckpt = load_checkpoint(ckpt_dir, student, opt)
@@ -138,8 +136,7 @@ def restore(ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, learner: Le
         log.info("resumed", checkpoint=str(ckpt.path), step=ckpt.step, policy_version=ckpt.policy_version,
                  optimizer_state=(ckpt.path / "optimizer.safetensors").exists())
     version = ckpt.policy_version if ckpt is not None else max(learner.policy_version(), 0)
-    save_weights(student, weights_dir, version)
-    learner.publish_policy_version(version)
+    learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
     return ckpt, version, ckpt.step if ckpt is not None else 0
 
 

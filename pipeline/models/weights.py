@@ -1,46 +1,215 @@
-"""Weight sync for local (transformers) students: the learner publishes, rollout workers reload.
+"""Published weights on disk: one folder per version, in the Hugging Face layout every engine loads.
 
-The learner writes ``DIR/policy.safetensors`` (atomic rename; safetensors, never pickle) and only
-then sets the policy version in Redis, so a worker that sees version v finds weights at least as new
-as v. A worker tags every group with the version of the weights it actually sampled with.
+    DIR/v00000007/      config.json, model*.safetensors (+ model.safetensors.index.json when sharded),
+                        tokenizer files when the model's folder had them, distillq-checkpoint.json last
+                        (or adapter_config.json + adapter_model.safetensors for a LoRA adapter)
+    DIR/LATEST          {"version": 7, "folder": "v00000007"}: the newest complete version
+
+A learner writes each version into a temporary folder, fsyncs it, renames it into place and only then
+points ``LATEST`` at it (``pipeline.learner.publish``). Readers never look at anything but the folder
+``LATEST`` names, and check it against its marker (every file with its size) and the safetensors headers
+before loading it, so a half-written folder is never loaded. The same folders serve a local transformers
+student (``load_weights``), a vLLM server (``reload_weights`` or ``/v1/load_lora_adapter``) and SGLang
+(``/update_weights_from_disk``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-WEIGHTS_FILE = "policy.safetensors"
-META_FILE = "policy.json"
+LATEST = "LATEST"
+MARKER = "distillq-checkpoint.json"
+CONFIG = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"
+#: Config fields that must agree between a checkpoint and the model a server serves.
+SHAPE_FIELDS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "head_dim", "tie_word_embeddings",
+)  # fmt: skip
 
 
-def save_weights(model: Any, directory: str | Path, version: int) -> Path:
-    """Atomically write ``model``'s weights and their version to ``directory``."""
-    from safetensors.torch import save_file
+class CheckpointError(Exception):
+    """A published folder that must not be loaded: incomplete, corrupt, or not the served model's shape."""
 
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete published version."""
+
+    version: int
+    path: Path
+    kind: str  # "full" or "lora"
+    files: dict[str, int]  # name -> size in bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.files.values())
+
+
+def folder_name(version: int) -> str:
+    return f"v{int(version):08d}"
+
+
+def version_of_folder(name: str) -> int | None:
+    if len(name) == 9 and name[0] == "v" and name[1:].isdigit():
+        return int(name[1:])
+    return None
+
+
+def published_versions(directory: str | Path) -> list[int]:
+    """Versions with a folder in ``directory`` (complete or not), oldest first."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp), metadata={"version": str(version)})
-    os.replace(tmp, d / WEIGHTS_FILE)
-    meta_tmp = d / f".{META_FILE}.tmp"
-    meta_tmp.write_text(json.dumps({"version": version}))
-    os.replace(meta_tmp, d / META_FILE)
-    return d / WEIGHTS_FILE
+    if not d.is_dir():
+        return []
+    return sorted(v for p in d.iterdir() if p.is_dir() and (v := version_of_folder(p.name)) is not None)
+
+
+def latest(directory: str | Path) -> Checkpoint | None:
+    """The version ``LATEST`` names, checked complete (``CheckpointError`` if it is not); ``None`` if none yet."""
+    pointer = Path(directory) / LATEST
+    try:
+        raw = pointer.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        info = json.loads(raw)
+        version, folder = int(info["version"]), str(info["folder"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{pointer} is not a version pointer: {e}") from None
+    return read_checkpoint(Path(directory) / folder, version)
+
+
+def read_checkpoint(path: Path, version: int | None = None) -> Checkpoint:
+    """A version folder checked against its marker: every file present with its size, safetensors headers
+    readable. Raises ``CheckpointError`` naming what is wrong."""
+    try:
+        info = json.loads((path / MARKER).read_text())
+        files = {str(k): int(v) for k, v in info["files"].items()}
+        got_version, kind = int(info["version"]), str(info["kind"])
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MARKER}: not a complete checkpoint") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path / MARKER} is malformed: {e}") from None
+    if version is not None and got_version != version:
+        raise CheckpointError(f"{path} holds version {got_version}, the pointer says {version}")
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{path / name} is missing") from None
+        if actual != size:
+            raise CheckpointError(f"{path / name} has {actual} bytes, {size} were written")
+        if name.endswith(".safetensors"):
+            safetensors_shapes(path / name)  # raises on a torn header
+    return Checkpoint(got_version, path, kind, files)
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from a safetensors file's header alone (no tensor is read)."""
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 * 2**20 or n > path.stat().st_size - 8:
+                raise CheckpointError(f"{path}: header length {n} does not fit the file")
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not an object")
+    return {k: tuple(int(x) for x in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def checkpoint_shapes(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in ckpt.files:
+        if name.endswith(".safetensors"):
+            shapes.update(safetensors_shapes(ckpt.path / name))
+    return shapes
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable config: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: config is not an object")
+    return cfg
+
+
+def check_fits(
+    ckpt: Checkpoint, served_config: dict[str, Any], served_shapes: dict[str, tuple[int, ...]] | None
+) -> None:
+    """Raise ``CheckpointError`` (one line naming every difference) unless ``ckpt`` fits the served model:
+    same architecture, the shape fields of its config, and (when known) the same tensor names and shapes."""
+    if ckpt.kind != "full":
+        return
+    cfg = read_config(ckpt.path / CONFIG)
+    diffs = []
+    if cfg.get("architectures") != served_config.get("architectures"):
+        diffs.append(f"architectures {cfg.get('architectures')} != served {served_config.get('architectures')}")
+    for field in SHAPE_FIELDS:
+        if field in cfg or field in served_config:
+            a, b = cfg.get(field), served_config.get(field)
+            if a != b:
+                diffs.append(f"{field} {a} != served {b}")
+    if served_shapes is not None and not diffs:
+        shapes = checkpoint_shapes(ckpt)
+        missing, extra = sorted(served_shapes.keys() - shapes.keys()), sorted(shapes.keys() - served_shapes.keys())
+        if missing:
+            diffs.append(f"{len(missing)} tensors missing (first: {missing[0]})")
+        if extra:
+            diffs.append(f"{len(extra)} unknown tensors (first: {extra[0]})")
+        wrong = [k for k in sorted(shapes.keys() & served_shapes.keys()) if shapes[k] != served_shapes[k]]
+        if wrong:
+            diffs.append(f"{len(wrong)} tensors of another shape (first: {wrong[0]} {shapes[wrong[0]]} != "
+                         f"served {served_shapes[wrong[0]]})")
+    if diffs:
+        raise CheckpointError(f"checkpoint v{ckpt.version} at {ckpt.path} does not fit the served model: "
+                              + "; ".join(diffs))
+
+
+def model_folder_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """Tensor shapes of a model folder's safetensors files (``None`` if it has none)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        shapes.update(safetensors_shapes(f))
+    return shapes
 
 
 def load_weights(model: Any, directory: str | Path) -> int | None:
-    """Load the published weights into ``model``; returns their version (``None`` if none yet)."""
-    from safetensors import safe_open
+    """Load the newest published full checkpoint into ``model`` (``strict=True``); its version, or ``None``
+    if nothing is published yet. Raises ``CheckpointError`` for a folder that must not be loaded."""
     from safetensors.torch import load_file
 
-    path = Path(directory) / WEIGHTS_FILE
-    if not path.exists():
+    ckpt = latest(directory)
+    if ckpt is None:
         return None
-    with safe_open(str(path), framework="pt") as f:
-        version = int((f.metadata() or {}).get("version", "0"))
-    model.load_state_dict(load_file(str(path)), strict=True)
-    return version
+    if ckpt.kind != "full":
+        raise CheckpointError(f"{ckpt.path} holds a LoRA adapter; a local student loads full checkpoints")
+    state: dict[str, Any] = {}
+    for name in sorted(ckpt.files):
+        if name.endswith(".safetensors"):
+            state.update(load_file(str(ckpt.path / name)))
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed = {"lm_head.weight"} if tied else set()
+    if unexpected or set(missing) - allowed:
+        raise CheckpointError(f"{ckpt.path}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    return ckpt.version
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

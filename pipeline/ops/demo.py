@@ -31,7 +31,7 @@ from rich.table import Table
 from pipeline.config import RedisSettings
 from pipeline.learner.checkpoint import LATEST
 from pipeline.models.tinymodels import arithmetic_problem
-from pipeline.models.weights import WEIGHTS_FILE
+from pipeline.models.weights import latest as latest_published
 from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.transport.connection import connect
 from pipeline.transport.jobs import PromptJob, enqueue_prompts, job_key_patterns
@@ -57,6 +57,7 @@ class DemoConfig:
     eval_every: int = 25
     jobs_redis_url: str | None = None  # the rollout job queue (arq), when not on redis_url (a Cluster)
     resume: bool = False  # go on from the learner's checkpoint in out/weights instead of starting clean
+    student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.ops.demo_vllm)
 
     def settings(self) -> RedisSettings:
         return RedisSettings(redis_url=self.redis_url, namespace=self.namespace, jobs_redis_url=self.jobs_redis_url)
@@ -98,7 +99,7 @@ def can_resume(out: Path) -> bool:
     """Whether ``out`` holds a learner checkpoint to go on from (model, optimizer, step and version) and the
     weights it published."""
     weights = out / "weights"
-    return (weights / WEIGHTS_FILE).exists() and (weights / "checkpoint" / LATEST).exists()
+    return latest_published(weights) is not None and (weights / "checkpoint" / LATEST).exists()
 
 
 async def live_workers(settings: RedisSettings, keys: Keys) -> int:
@@ -138,14 +139,25 @@ async def clear_namespace(settings: RedisSettings, keys: Keys, *, jobs: bool = T
 def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int = 0) -> list[ProcSpec]:
     """The demo's processes; ``first_step``: the learner step a resumed run goes on from (its ``--steps`` is the
     total to reach, so ``cfg.steps`` more)."""
-    weights = str(cfg.out / "weights")
+    weights = str((cfg.out / "weights").absolute())
+    rest = ("--group-size", str(cfg.group_size), "--max-tokens", "6", "--reward", "math", "--max-jobs", "2")
     specs = [
         ProcSpec(f"rollout-{i}", distillq_argv(
             "worker", "rollout", "--backend", "hf", "--model", str(student), "--weights-dir", weights,
-            "--group-size", str(cfg.group_size), "--max-tokens", "6", "--reward", "math", "--max-jobs", "2",
-            "--consumer-name", f"rollout-{i}"))
+            *rest, "--consumer-name", f"rollout-{i}"))
         for i in range(cfg.rollout_workers)
     ]
+    if cfg.student_backend == "vllm":
+        from pipeline.ops import demo_vllm
+
+        python, port = demo_vllm.vllm_python(), demo_vllm.free_port()
+        assert python is not None, demo_vllm.missing_line()
+        url = f"http://127.0.0.1:{port}"
+        specs = [demo_vllm.server_spec(python, student, port)] + [
+            ProcSpec(f"rollout-{i}", demo_vllm.rollout_argv(student, url, weights, *rest, "--consumer-name",
+                                                            f"rollout-{i}"))
+            for i in range(cfg.rollout_workers)
+        ]
     specs += [
         ProcSpec("teacher", distillq_argv(
             "worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer", str(student),
@@ -158,7 +170,7 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
                              "--weights-dir", weights, "--steps", str(first_step + cfg.steps),
                              "--eval-teacher", str(teacher),
                              "--eval-every", str(cfg.eval_every), "--metrics-file", str(cfg.out / "metrics.jsonl"),
-                             "--batch-timeout", "60"], restart=False),
+                             "--batch-timeout", "600" if cfg.student_backend == "vllm" else "60"], restart=False),
     ]
     return specs
 

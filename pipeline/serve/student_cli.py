@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import signal
@@ -48,8 +49,8 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``serve student``."""
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="student backend")
     p.add_argument("--model", help="hf: model directory, weights and tokenizer (default: none; required for hf)")
-    p.add_argument("--url", help="vllm: the vLLM server, http://host:port with or without /v1 "
-                                 "(default: none; required for vllm)")
+    p.add_argument("--url", help="vllm: the vLLM server, http://host:port with or without /v1; several separated "
+                                 "by commas, used round-robin (default: none; required for vllm)")
     p.add_argument("--vllm-model", help="vllm: the model name on that server (default: the first it serves)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model; required with --backend vllm)")
     p.add_argument(
@@ -73,7 +74,15 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the bound port here once listening (default: none)")
     p.add_argument("--group-size", type=int, default=1, help="rollouts per group unless a finish says otherwise")
     p.add_argument("--env-id", type=int, default=0, help="env_id of the groups pushed")
-    p.add_argument("--policy-version", type=int, default=0, help="policy_version of the groups pushed")
+    p.add_argument("--policy-version", type=int, default=0,
+                   help="policy_version of the groups pushed (with --weights-dir: the version the server reports)")
+    p.add_argument("--weights-dir", default=None, metavar="DIR",
+                   help="vllm: keep every --url server on the newest version a learner publishes here and tag each "
+                        "group with the version its requests ran on (default: none)")
+    p.add_argument("--weights-sync", choices=("vllm", "vllm-lora", "sglang"),
+                   default=os.environ.get("DISTILLQ_WEIGHTS_SYNC") or "vllm",
+                   help="with --weights-dir: vllm (reload in place), vllm-lora (an adapter per version) or sglang "
+                        "(env DISTILLQ_WEIGHTS_SYNC)")
     p.add_argument(
         "--session-ttl",
         type=float,
@@ -126,7 +135,8 @@ def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig
     from pipeline.rollout.student_vllm import VLLMStudent
     from pipeline.urls import server_root
 
-    root = server_root(args.url)
+    urls = [server_root(u.strip()) for u in args.url.split(",") if u.strip()]
+    root = urls[0]
     models = _vllm_models(root)
     name = args.vllm_model or (models[0]["id"] if models else None)
     if not name:
@@ -135,8 +145,17 @@ def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig
     max_len = args.max_model_len or int(info.get("max_model_len") or 0)
     if not max_len:
         raise ValueError("the vLLM server reports no max_model_len; pass --max-model-len")
-    backend = VLLMStudent(root, name, AutoTokenizer.from_pretrained(args.tokenizer))
-    return backend, _config(args, tuple(args.served_model_name or [name]), max_len, None)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    students = [VLLMStudent(u, name, tokenizer) for u in urls]
+    config = _config(args, tuple(args.served_model_name or [name]), max_len, None)
+    if len(students) == 1 and not args.weights_dir:
+        return students[0], config
+    from pipeline.rollout.sync_engines import make_engine
+    from pipeline.rollout.synced import SyncedStudent
+
+    engines = [make_engine(args.weights_sync, u, served_name=name) for u in urls]
+    backend = SyncedStudent(students, engines, args.weights_dir)
+    return backend, dataclasses.replace(config, versions_from_server=backend.synced)
 
 
 def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, vocab: int | None) -> ServeConfig:
@@ -162,9 +181,20 @@ async def _serve(
 ) -> int:
     """Serve until the server stops (a signal; ``started`` gets the uvicorn server once it listens), then
     close the backend (the vLLM client's connections)."""
+    from pipeline.rollout.synced import SyncedStudent
+
+    synced = backend if isinstance(backend, SyncedStudent) else None
+    stop = asyncio.Event()
+    syncer = None
     try:
+        if synced is not None:
+            await synced.start()  # every server on the newest version before the first request
+            syncer = asyncio.create_task(synced.run(stop))
         return await _serve_app(args, backend, config, started)
     finally:
+        stop.set()
+        if syncer is not None:
+            await syncer
         aclose = getattr(backend, "aclose", None)
         if aclose is not None:
             await aclose()
@@ -231,6 +261,7 @@ def usage_error(args: argparse.Namespace) -> str | None:
         (0 <= args.metrics_port <= 65535, f"--metrics-port must be in 0..65535, got {args.metrics_port}"),
         (args.backend != "hf" or bool(args.model), "--backend hf needs --model DIR"),
         (args.backend != "vllm" or bool(args.url and args.tokenizer), "--backend vllm needs --url and --tokenizer"),
+        (args.backend == "vllm" or not args.weights_dir, "--weights-dir needs --backend vllm"),
     )
     for ok, message in checks:
         if not ok:

@@ -26,10 +26,12 @@ import numpy as np
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.metrics import UNATTRIBUTED_SAMPLES
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.openai_types import ChatCompletion, ChatCompletionChunk, Stream
 from pipeline.rollout.student_base import Completion, StudentBackend, StudentBackendError
 from pipeline.rollout.tracker import Tracker
+from pipeline.rollout.weight_sync import attribute, attribution
 from pipeline.serve.student_requests import MAX_N, RequestError, check_chat, check_stop
 from pipeline.serve.student_sessions import FinishedRollout, GroupAssembler, GroupSpec, SessionStore
 from schemas import DecodeError, RolloutGroup
@@ -113,6 +115,7 @@ class ServeConfig:
     group_size: int = 1
     env_id: int = 0
     policy_version: int = 0
+    versions_from_server: bool = False  # synced servers: each group carries the version its requests ran on
 
 
 class ServedBackend:
@@ -122,7 +125,9 @@ class ServedBackend:
     def __init__(self, backend: StudentBackend, max_model_len: int) -> None:
         self.backend = backend
         self.max_model_len = max_model_len
-        self.takes_stop_strings = "stop" in inspect.signature(backend.generate).parameters
+        declared = getattr(backend, "takes_stop_strings", None)  # a wrapper says what the servers behind it take
+        self.takes_stop_strings = (bool(declared) if declared is not None
+                                   else "stop" in inspect.signature(backend.generate).parameters)
 
     @property
     def tokenizer(self) -> Any:
@@ -207,15 +212,17 @@ class StudentService:
                        "skip_special_tokens": sp.skip_special_tokens}
             opts.update(stop=stop, include_stop_str_in_output=sp.include_stop_str_in_output)
         try:
-            comps = await self.backend.generate(
-                prompt, n=sp.n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                stop_token_ids=sp.stop_token_ids, seed=sp.seed, **stop_kw,
-            )  # fmt: skip
+            with attribution() as seen:
+                comps = await self.backend.generate(
+                    prompt, n=sp.n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                    stop_token_ids=sp.stop_token_ids, seed=sp.seed, **stop_kw,
+                )  # fmt: skip
         except ValueError as e:
             raise ServeError(400, str(e)) from e
         except StudentBackendError as e:
             raise ServeError(502, str(e), "BackendError") from e
         self._record(session_id, prompt, comps, {**opts, "stop_token_ids": sp.stop_token_ids, "seed": sp.seed})
+        self._versions(session_id, seen)
         return {
             "request_id": f"gen-{uuid.uuid4().hex}",
             "prompt_token_ids": prompt,
@@ -267,9 +274,11 @@ class StudentService:
         client = self._chat_client(session_id)
         n_before = client.tracker.stats.requests
         try:
-            out = await client.chat.completions.create(
-                messages=messages, model=str(body["model"]), stream=bool(body.get("stream")), **kwargs
-            )
+            with attribution() as seen:
+                out = await client.chat.completions.create(
+                    messages=messages, model=str(body["model"]), stream=bool(body.get("stream")), **kwargs
+                )
+            self._versions(session_id, seen)
         except StudentBackendError as e:
             raise ServeError(502, str(e), "BackendError") from e
         except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
@@ -278,6 +287,11 @@ class StudentService:
         if s is not None and client.tracker.stats.requests > n_before:
             s.requests += 1
         return out
+
+    def _versions(self, session_id: str | None, seen: list[int | None]) -> None:
+        s = self.sessions.get(session_id) if session_id and seen else None
+        if s is not None:
+            s.versions.extend(seen)
 
     def _chat_client(self, session_id: str | None) -> TrackedClient:
         if not session_id:
@@ -299,21 +313,30 @@ class StudentService:
                 raise ServeError(410, f"session {session_id!r} was evicted ({reason}) before it was finished", "Gone")
             raise ServeError(404, f"no session {session_id!r} (no request carried this X-Session-ID)", "NotFoundError")
         cfg = self.config
+        version = cfg.policy_version if req.policy_version is None else req.policy_version
+        leaves = s.tracker.leaves()
+        out: dict[str, Any] = {"session": session_id, "task": req.task, "sequences": len(leaves), "group": None}
+        if cfg.versions_from_server and leaves and req.trainable:
+            got = attribute(s.versions)
+            if got is None:  # the weights changed between its requests: no one version sampled it
+                UNATTRIBUTED_SAMPLES.labels("dropped").inc()
+                log.warning("student.rollout_not_attributable", session=session_id, versions=s.versions)
+                out["skipped"] = "the student's weights changed during the rollout"
+                return out
+            version = got
         spec = GroupSpec(
             task=req.task,
             group_size=req.group_size or cfg.group_size,
             env_id=cfg.env_id if req.env_id is None else req.env_id,
-            policy_version=cfg.policy_version if req.policy_version is None else req.policy_version,
+            policy_version=version,
             group_overrides=req.group_overrides,
         )
-        leaves = s.tracker.leaves()
-        out: dict[str, Any] = {"session": session_id, "task": req.task, "sequences": len(leaves), "group": None}
         if not req.trainable or not leaves:
             out["skipped"] = "not trainable" if not req.trainable else "no completions"
             return out
         seqs = s.tracker.sequences([req.reward] * len(leaves))
         group = self.groups.add(spec, FinishedRollout(session_id, seqs, s.generation_params))
-        out["waiting"] = self.groups.waiting(spec.task, spec.env_id)
+        out["waiting"] = self.groups.waiting(spec.task, spec.env_id, spec.policy_version)
         if group is not None:
             out["group"] = await self._deliver(group)
         return out

