@@ -86,9 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, type=one_of(*DTYPES), default=env("TEACHER_DTYPE") or "auto",
                    help="hf and vllm-engine: weight dtype; log-softmax is float32 whatever it is; auto: bfloat16 on "
                         "a GPU, float32 on CPU (hf), the model's own (vllm-engine) (env DISTILLQ_TEACHER_DTYPE)")
-    p.add_argument("--vllm-python", default=env("VLLM_PYTHON") or sys.executable, metavar="PATH",
+    p.add_argument("--vllm-python", default=env("VLLM_PYTHON"), metavar="PATH",
                    help="vllm-engine: a Python with vLLM installed, for the engine process (env "
-                        "DISTILLQ_VLLM_PYTHON; default: this one)")
+                        "DISTILLQ_VLLM_PYTHON; default: the worker's own Python)")
     p.add_argument("--vllm-max-logprobs", type=int_at_least(1), default=env("VLLM_MAX_LOGPROBS") or "256",
                    metavar="K", help="vllm-engine: the engine's logprob cap, the largest k it serves "
                                      "(env DISTILLQ_VLLM_MAX_LOGPROBS)")
@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm-engine: longest sequence (env DISTILLQ_VLLM_MAX_MODEL_LEN; default: the model's)")
     p.add_argument("--vllm-max-num-batched-tokens", type=int_at_least(1), default=env("VLLM_MAX_NUM_BATCHED_TOKENS"),
                    metavar="N", help="vllm-engine: tokens per engine step; bounds the full-vocabulary logits prompt "
-                                     "logprobs materialise (env DISTILLQ_VLLM_MAX_NUM_BATCHED_TOKENS)")
+                                     "logprobs materialise (env DISTILLQ_VLLM_MAX_NUM_BATCHED_TOKENS; default: vLLM's)")
     p.add_argument("--vllm-enforce-eager", action="store_true",
                    help="vllm-engine: no CUDA graphs / torch.compile (faster start)")
     p.add_argument("--on-drop", choices=["pass", "dlq"], type=one_of("pass", "dlq"), default=env("ON_DROP", "pass"),
@@ -126,8 +126,9 @@ def make_backend(args: argparse.Namespace) -> TeacherBackend:
         if not args.model:
             raise TeacherConfigError("--model PATH is required for the vllm-engine backend")
         return VLLMEngineTeacher(VLLMEngineConfig(
-            model=args.model, python=args.vllm_python, k=args.top_k, max_logprobs=args.vllm_max_logprobs,
-            tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
+            model=args.model, python=args.vllm_python or sys.executable, k=args.top_k,
+            max_logprobs=args.vllm_max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             dtype=args.dtype, max_model_len=args.vllm_max_model_len,
             max_num_batched_tokens=args.vllm_max_num_batched_tokens, enforce_eager=args.vllm_enforce_eager))
     if args.backend == "synthetic":

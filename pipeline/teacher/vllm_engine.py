@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 
 from pipeline.teacher.base import (
@@ -252,6 +254,24 @@ class VLLMEngineTeacher:
         for i, res in zip(todo, results, strict=True):
             out[i] = to_outcome(reqs[i], res)
         return [o for o in out if o is not None]
+
+    async def prefill(self, seqs: list[npt.NDArray[np.int32]]) -> None:
+        """Run ``seqs`` through the engine without prompt logprobs (a bare prefill, to measure the limit
+        the teacher is held against); raises ``ConnectionError`` if the engine is down."""
+        if self._proc is None or self._proc.stdin is None or self._dead is not None:
+            raise ConnectionError(self._dead or "teacher not started")
+        items = [Item(i32(s), i32(np.zeros(0, np.int32)), 0) for s in seqs]
+        bid = next(self._ids)
+        fut: asyncio.Future[list[ItemResult]] = asyncio.get_running_loop().create_future()
+        self._pending[bid] = fut
+        try:
+            self._proc.stdin.write(frame(Batch(bid, items)))
+            await self._proc.stdin.drain()
+            errors = [r.error for r in await fut if r.error]
+        finally:
+            self._pending.pop(bid, None)
+        if errors:
+            raise RuntimeError(f"prefill failed: {errors[0]}")
 
     async def close(self) -> None:
         proc, self._proc = self._proc, None

@@ -14,8 +14,9 @@ vLLM 0.32 turns them into one ``Logprob`` (or, with ``flat_logprobs``, one list 
 so that each prefill chunk's two arrays are kept as they are (the hook verl's GKD recipe patches too):
 an internal of vLLM, verified on ``VERIFIED_VLLM``; ``tests/integration/test_vllm_engine.py`` guards it.
 
-Requests of all batches in flight share the engine (continuous batching); a batch is answered when its
-last request finishes, with only the rows it asked for.
+An item with ``k = 0`` is a bare prefill (no prompt logprobs, an empty answer): the limit ``bench.gpu``
+measures the teacher against. Requests of all batches in flight share the engine (continuous batching);
+a batch is answered when its last request finishes, with only the rows it asked for.
 """
 
 from __future__ import annotations
@@ -126,13 +127,13 @@ def admit(engine: Any, batch: Batch, running: Running) -> Pending:
     p = Pending(batch)
     for i, item in enumerate(batch.items):
         tokens, rows = as_i32(item.tokens), as_i32(item.rows).astype(np.int64)
-        if not 1 <= item.k <= cap:
+        if not 0 <= item.k <= cap:
             p.done(i, ItemResult(error=f"k_over_cap: k={item.k} outside [1, {cap}]"))
             continue
         if tokens.shape[0] < 2 or int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
             p.done(i, ItemResult(error=f"bad request: fewer than 2 tokens or a token id outside [0, {vocab})"))
             continue
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=item.k, detokenize=False,
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=item.k or None, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
         rid = f"{batch.id}:{i}"
         try:
@@ -163,7 +164,7 @@ def serve(engine: Any, inbox: queue.Queue[Batch | None], out: BinaryIO) -> None:
             for o in engine.step():
                 if o.finished and o.request_id in running:
                     p, i, rows, k = running.pop(o.request_id)
-                    p.done(i, collect(o.prompt_logprobs or [], rows, k))
+                    p.done(i, collect(o.prompt_logprobs or [], rows, k) if k else ItemResult())
         for p in open_batches:
             if not p.left:
                 out.write(frame(BatchResult(p.batch.id, [r for r in p.results if r is not None])))
