@@ -69,7 +69,8 @@ def build(name: str, dtype: str, device: str) -> Path:
         return path
     cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, intermediate_size=a.intermediate,
-                      max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=a.tie,
+                      max_position_embeddings=32768, tie_word_embeddings=a.tie,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
