@@ -17,8 +17,8 @@ padding with an attention mask keeps every real position exact under causal atte
 
 Weights may be bfloat16 or float16 (``dtype``; ``"auto"``: bfloat16 on a GPU, float32 on CPU); the
 log-softmax is float32 whatever they are. ``chunk_positions=None`` picks the lm_head chunk from the
-device's free memory (``hf_forward.auto_chunk_positions``). Forwards run under ``torch.inference_mode`` in one dedicated
-worker thread (the event loop stays free; torch keeps a single intra-op thread team, and forwards never
+device's free memory (``hf_forward.auto_chunk_positions``). Forwards run under ``torch.inference_mode`` in
+one dedicated worker thread (the event loop stays free; torch keeps a single intra-op thread team, and forwards never
 compete with each other for the cores).
 """
 

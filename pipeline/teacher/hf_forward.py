@@ -285,8 +285,11 @@ def probe_packing(fw: Forward, vocab: int) -> bool:
         return False
     finally:
         fw.counters = saved
+    # half-precision weights round differently in a packed row than in a padded one; a wrong mask is off by far more
+    weight = getattr(fw.head.head, "weight", None)
+    tol = 5e-2 if weight is not None and weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
     return all(
-        np.allclose(a.sampled_logprobs, b.sampled_logprobs, atol=1e-4, rtol=0) for a, b in zip(want, got, strict=True)
+        np.allclose(a.sampled_logprobs, b.sampled_logprobs, atol=tol, rtol=0) for a, b in zip(want, got, strict=True)
     )
 
 
