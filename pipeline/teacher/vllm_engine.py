@@ -82,9 +82,9 @@ class VLLMEngineConfig:
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.max_logprobs < 1 or self.tensor_parallel_size < 1:
-            raise ValueError("k, max_logprobs and tensor_parallel_size must be >= 1")
+            raise TeacherConfigError("k, max_logprobs and tensor_parallel_size must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+            raise TeacherConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization} is not in (0, 1]")
 
     def argv(self) -> list[str]:
         cmd = [self.python, "-m", "pipeline.teacher.vllm_engine_proc", "--model", self.model,

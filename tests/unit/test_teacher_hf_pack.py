@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.models.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models, load_causal_lm
-from pipeline.teacher.base import ScoreRequest, ScoreResult
+from pipeline.teacher.base import ScoreRequest, ScoreResult, TeacherConfigError
 from pipeline.teacher.hf import HFTeacher, resolve_dtype
 from pipeline.teacher.hf_forward import auto_chunk_positions
 from pipeline.teacher.hf_pack import pack, plan_packed_chunks, plan_rows
@@ -191,3 +191,5 @@ def test_worker_flags_reach_the_backends() -> None:
     assert argv[:3] == ["/py", "-m", "pipeline.teacher.vllm_engine_proc"]
     assert argv[argv.index("--tensor-parallel-size") + 1] == "4" and "--enforce-eager" in argv
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.5"
+    with pytest.raises(TeacherConfigError, match="not in"):
+        make_backend(_args("--backend", "vllm-engine", "--model", "/m", "--gpu-memory-utilization", "1.5"))
