@@ -28,16 +28,23 @@ from workers.common import (
 
 log = structlog.get_logger("distillq.teacher")
 
-BACKENDS = ("vllm", "sglang", "hf", "synthetic")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("vllm", "vllm-engine", "sglang", "hf", "synthetic")
+
+
+def auto_or_positive(text: str) -> int | None:
+    """``auto`` -> None, else an integer >= 1."""
+    return None if text == "auto" else int_at_least(1)(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, type=one_of(*BACKENDS), default=env("TEACHER_BACKEND", "vllm"),
-                   help="vllm, sglang (HTTP servers), hf (local transformers model), synthetic (deterministic fake "
-                        "payloads, for tests and benchmarks) (env DISTILLQ_TEACHER_BACKEND)")
+                   help="vllm, sglang (HTTP servers), vllm-engine (a vLLM engine in a child process, top-k as arrays), "
+                        "hf (local transformers model), synthetic (deterministic fake payloads, for tests and "
+                        "benchmarks) (env DISTILLQ_TEACHER_BACKEND)")
     p.add_argument("--model", default=env("TEACHER_MODEL"), metavar="NAME_OR_PATH",
-                   help="served model name (vllm, sglang) or local path (hf) (env DISTILLQ_TEACHER_MODEL; default: "
-                        "none, a vLLM server's first model)")
+                   help="served model name (vllm, sglang) or local path (hf, vllm-engine) (env DISTILLQ_TEACHER_MODEL; "
+                        "default: none, a vLLM server's first model)")
     p.add_argument("--url", action="append", default=None,
                    help="teacher server URL, http://host:port or the OpenAI-style http://host:port/v1; repeat for "
                         "several (default: $DISTILLQ_TEACHER_URLS, comma-separated)")
@@ -67,13 +74,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=env("TEACHER_ROWS") or "trained",
                    help="teacher rows scored and shipped per sequence: the rows the learner trains on "
                         "(loss_mask[r+1] == 1), or every row (env DISTILLQ_TEACHER_ROWS)")
-    p.add_argument("--hf-chunk-positions", type=int_at_least(1), default=env("TEACHER_HF_CHUNK_POSITIONS") or "256",
-                   metavar="N",
-                   help="hf backend: rows per lm_head/log-softmax chunk; memory about 2 x N x vocabulary x 4 bytes "
-                        "(env DISTILLQ_TEACHER_HF_CHUNK_POSITIONS)")
+    p.add_argument("--hf-chunk-positions", type=auto_or_positive, default=env("TEACHER_HF_CHUNK_POSITIONS") or "auto",
+                   metavar="N|auto",
+                   help="hf backend: rows per lm_head/log-softmax chunk; memory about 2 x N x vocabulary x 4 bytes; "
+                        "auto: from the device's free memory (env DISTILLQ_TEACHER_HF_CHUNK_POSITIONS)")
     p.add_argument("--hf-min-shared-prefix", type=int_at_least(0), default=env("TEACHER_HF_MIN_SHARED_PREFIX") or "32",
                    metavar="N", help="hf backend: shortest common prefix of a call's sequences computed once; 0 turns "
                                      "sharing off (env DISTILLQ_TEACHER_HF_MIN_SHARED_PREFIX)")
+    p.add_argument("--device", default=env("TEACHER_DEVICE") or "cpu", metavar="DEVICE",
+                   help="hf backend: torch device, e.g. cpu, cuda, cuda:1 (env DISTILLQ_TEACHER_DEVICE)")
+    p.add_argument("--dtype", choices=DTYPES, type=one_of(*DTYPES), default=env("TEACHER_DTYPE") or "auto",
+                   help="hf and vllm-engine: weight dtype; log-softmax is float32 whatever it is; auto: bfloat16 on "
+                        "a GPU, float32 on CPU (hf), the model's own (vllm-engine) (env DISTILLQ_TEACHER_DTYPE)")
+    p.add_argument("--vllm-python", default=env("VLLM_PYTHON"), metavar="PATH",
+                   help="vllm-engine: a Python with vLLM installed, for the engine process (env "
+                        "DISTILLQ_VLLM_PYTHON; default: the worker's own Python)")
+    p.add_argument("--vllm-max-logprobs", type=int_at_least(1), default=env("VLLM_MAX_LOGPROBS") or "256",
+                   metavar="K", help="vllm-engine: the engine's logprob cap, the largest k it serves "
+                                     "(env DISTILLQ_VLLM_MAX_LOGPROBS)")
+    p.add_argument("--tensor-parallel-size", type=int_at_least(1), default=env("VLLM_TENSOR_PARALLEL_SIZE") or "1",
+                   metavar="N", help="vllm-engine: GPUs per engine (env DISTILLQ_VLLM_TENSOR_PARALLEL_SIZE)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=env("VLLM_GPU_MEMORY_UTILIZATION") or "0.9",
+                   metavar="FRACTION", help="vllm-engine: fraction of GPU memory (of node memory on vLLM's CPU "
+                                            "build) vLLM may take (env DISTILLQ_VLLM_GPU_MEMORY_UTILIZATION)")
+    p.add_argument("--vllm-max-model-len", type=int_at_least(1), default=env("VLLM_MAX_MODEL_LEN"), metavar="N",
+                   help="vllm-engine: longest sequence (env DISTILLQ_VLLM_MAX_MODEL_LEN; default: the model's)")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int_at_least(1), default=env("VLLM_MAX_NUM_BATCHED_TOKENS"),
+                   metavar="N", help="vllm-engine: tokens per engine step; bounds the full-vocabulary logits prompt "
+                                     "logprobs materialise (env DISTILLQ_VLLM_MAX_NUM_BATCHED_TOKENS; default: vLLM's)")
+    p.add_argument("--vllm-enforce-eager", action="store_true",
+                   help="vllm-engine: no CUDA graphs / torch.compile (faster start)")
     p.add_argument("--on-drop", choices=["pass", "dlq"], type=one_of("pass", "dlq"), default=env("ON_DROP", "pass"),
                    help="groups whose payload was dropped: pass them on without payload, or dead-letter them "
                         "(env DISTILLQ_ON_DROP)")
@@ -89,7 +119,18 @@ def make_backend(args: argparse.Namespace) -> TeacherBackend:
         if not args.model:
             raise TeacherConfigError("--model PATH is required for the hf backend")
         return HFTeacher(args.model, max_batch_tokens=args.max_batch_tokens, chunk_positions=args.hf_chunk_positions,
-                         min_shared_prefix=args.hf_min_shared_prefix)
+                         min_shared_prefix=args.hf_min_shared_prefix, device=args.device, dtype=args.dtype)
+    if args.backend == "vllm-engine":
+        from pipeline.teacher.vllm_engine import VLLMEngineConfig, VLLMEngineTeacher
+
+        if not args.model:
+            raise TeacherConfigError("--model PATH is required for the vllm-engine backend")
+        return VLLMEngineTeacher(VLLMEngineConfig(
+            model=args.model, python=args.vllm_python or sys.executable, k=args.top_k,
+            max_logprobs=args.vllm_max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            dtype=args.dtype, max_model_len=args.vllm_max_model_len,
+            max_num_batched_tokens=args.vllm_max_num_batched_tokens, enforce_eager=args.vllm_enforce_eager))
     if args.backend == "synthetic":
         from pipeline.teacher.synthetic import SyntheticTeacher
 

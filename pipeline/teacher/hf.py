@@ -7,11 +7,18 @@ wanted row are not computed. Requests of one call that share a prefix of at leas
 tokens (the sequences of a group share their prompt) run it once and continue from its KV cache
 (``hf_prefix``); ``tokens_computed`` and ``rows_computed`` count the work done.
 
-Sequences (continuations, for a shared prefix) are sorted by length and chunked so that each forward
-holds at most ``max_batch_tokens`` padded tokens (rows x longest row, counting a shared prefix in each
-row's length, as its keys and values are); right padding with an attention mask keeps every real
-position exact under causal attention. Forwards run under ``torch.inference_mode`` in one dedicated
-worker thread (the event loop stays free; torch keeps a single intra-op thread team, and forwards never
+Sequences without a shared prefix are packed (``hf_pack``): chunks of at most ``max_batch_tokens`` real
+tokens, each sequence with its own position ids and no padding (flash-attention where the model was
+loaded with it, sdpa or eager otherwise); ``probe_packing`` checks at start that the model honours packed
+position ids, else they are padded. Padded batches (the fallback, and continuations over a shared prefix)
+are sorted by length and chunked so that each forward holds at most ``max_batch_tokens`` padded tokens
+(rows x longest row, counting a shared prefix in each row's length, as its keys and values are); right
+padding with an attention mask keeps every real position exact under causal attention.
+
+Weights may be bfloat16 or float16 (``dtype``; ``"auto"``: bfloat16 on a GPU, float32 on CPU); the
+log-softmax is float32 whatever they are. ``chunk_positions=None`` picks the lm_head chunk from the
+device's free memory (``hf_forward.auto_chunk_positions``). Forwards run under ``torch.inference_mode`` in
+one dedicated worker thread (the event loop stays free; torch keeps a single intra-op thread team, and forwards never
 compete with each other for the cores).
 """
 
@@ -35,6 +42,7 @@ from pipeline.teacher.base import (
     plan_chunks,
     rows_problem,
 )
+from pipeline.teacher.hf_pack import plan_packed_chunks
 from pipeline.teacher.hf_prefix import plan_prefix_groups
 
 if TYPE_CHECKING:  # torch is imported when the teacher starts, not when this module is
@@ -43,12 +51,25 @@ if TYPE_CHECKING:  # torch is imported when the teacher starts, not when this mo
 log = structlog.get_logger(__name__)
 
 
-def load_model(path: str, dtype: str = "float32") -> Any:
-    """Load a causal LM from a local directory in ``dtype``, in eval mode."""
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``"auto"``: bfloat16 on a GPU, float32 elsewhere; any other name as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def load_model(path: str, dtype: str = "float32", attn_implementation: str | None = None) -> Any:
+    """Load a causal LM from a local directory in ``dtype``, in eval mode (flash-attention 2 where the
+    ``flash_attn`` package is installed and the weights are half precision, unless told otherwise)."""
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    if attn_implementation is None and dtype in ("bfloat16", "float16") and importlib.util.find_spec("flash_attn"):
+        attn_implementation = "flash_attention_2"
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw)
     model.eval()
     return model
 
@@ -56,8 +77,9 @@ def load_model(path: str, dtype: str = "float32") -> Any:
 class HFTeacher:
     """A ``TeacherBackend`` running a transformers causal LM in-process. ``max_k`` is the vocabulary size.
 
-    ``chunk_positions``: rows per lm_head/log-softmax chunk (memory about ``2 x chunk x V x 4`` bytes).
-    ``min_shared_prefix``: the shortest common prefix run once for several requests; 0 turns sharing off.
+    ``chunk_positions``: rows per lm_head/log-softmax chunk (memory about ``2 x chunk x V x 4`` bytes); None:
+    chosen from free memory at start. ``min_shared_prefix``: the shortest common prefix run once for several
+    requests; 0 turns sharing off. ``pack``: pack sequences without padding (when the model passes the probe).
     """
 
     def __init__(
@@ -70,12 +92,13 @@ class HFTeacher:
         num_threads: int | None = None,
         device: str = "cpu",
         dtype: str = "float32",
-        chunk_positions: int = 256,
+        chunk_positions: int | None = 256,
         min_shared_prefix: int = 32,
+        pack: bool = True,
     ) -> None:
         if model is None and model_path is None:
             raise ValueError("HFTeacher needs model_path or model")
-        if max_batch_tokens < 1 or chunk_positions < 1:
+        if max_batch_tokens < 1 or (chunk_positions is not None and chunk_positions < 1):
             raise ValueError("max_batch_tokens and chunk_positions must be >= 1")
         if min_shared_prefix < 0:
             raise ValueError("min_shared_prefix must be >= 0")
@@ -85,6 +108,8 @@ class HFTeacher:
         self.max_batch_tokens = max_batch_tokens
         self.chunk_positions = chunk_positions
         self.min_shared_prefix = min_shared_prefix
+        self.pack = pack
+        self._packing = False
         self._num_threads = num_threads
         self._device = device
         self._dtype = dtype
@@ -122,6 +147,11 @@ class HFTeacher:
         """True when shared prefixes run once (``min_shared_prefix > 0`` and the model passed the probe)."""
         return self._sharing
 
+    @property
+    def packing(self) -> bool:
+        """True when sequences run packed (``pack`` and the model passed the probe)."""
+        return self._packing
+
     def _init_thread(self) -> None:
         import torch
 
@@ -129,13 +159,21 @@ class HFTeacher:
             torch.set_num_threads(self._num_threads)
 
     async def start(self) -> None:
-        from pipeline.teacher.hf_forward import ChunkedHead, Forward, probe_sharing, probe_split
+        from pipeline.teacher.hf_forward import (
+            ChunkedHead,
+            Forward,
+            auto_chunk_positions,
+            probe_packing,
+            probe_sharing,
+            probe_split,
+        )
 
         self._init_thread()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-teacher", initializer=self._init_thread)
         if self._model is None:
-            self._model = await asyncio.to_thread(load_model, str(self._path), self._dtype)
+            dtype = resolve_dtype(self._dtype, self._device)
+            self._model = await asyncio.to_thread(load_model, str(self._path), dtype)
         self._model.to(self._device)
         self._model.eval()
         head = self._model.get_output_embeddings()
@@ -143,11 +181,14 @@ class HFTeacher:
         max_pos = getattr(self._model.config, "max_position_embeddings", None)
         self._max_len = int(max_pos) if max_pos else None
         split = probe_split(self._model, self._vocab, self._device)
-        fw = Forward(self._model, ChunkedHead(head, self._vocab, self.chunk_positions), self._device, split)
+        chunk = self.chunk_positions or auto_chunk_positions(self._device, self._vocab, head.weight.element_size())
+        fw = Forward(self._model, ChunkedHead(head, self._vocab, chunk), self._device, split)
         self._sharing = split and self.min_shared_prefix > 0 and probe_sharing(fw, self._vocab)
+        self._packing = split and self.pack and probe_packing(fw, self._vocab)
         self._fw = fw
         log.info("hf_teacher_ready", identity=self._identity, vocab=self._vocab, split_head=split,
-                 sharing=self._sharing)  # fmt: skip
+                 sharing=self._sharing, packing=self._packing, chunk_positions=chunk, device=self._device,
+                 dtype=str(head.weight.dtype))  # fmt: skip
 
     async def close(self) -> None:
         if self._executor is not None:
@@ -214,9 +255,12 @@ class HFTeacher:
         groups = plan_prefix_groups([j.tokens for j in jobs], self.min_shared_prefix) if self._sharing else []
         alone = [m for g in groups if g.prefix == 0 for m in g.members] if groups else list(range(len(jobs)))
         done: list[tuple[int, ScoreResult]] = []
-        for chunk in plan_chunks([int(jobs[m].tokens.shape[0]) for m in alone], self.max_batch_tokens):
+        lengths = [int(jobs[m].tokens.shape[0]) for m in alone]
+        plan = plan_packed_chunks if self._packing else plan_chunks
+        for chunk in plan(lengths, self.max_batch_tokens):
             idx = [alone[c] for c in chunk]
-            done += zip(idx, fw.plain([jobs[i] for i in idx]), strict=True)
+            batch = [jobs[i] for i in idx]
+            done += zip(idx, fw.packed(batch) if self._packing else fw.plain(batch), strict=True)
         for g in groups:
             if g.prefix == 0:
                 continue

@@ -24,6 +24,7 @@ import torch
 
 from pipeline.models.kvcache import output_cache, with_cache
 from pipeline.teacher.base import ScoreResult
+from pipeline.teacher.hf_pack import VARLEN_ATTENTION, pack
 
 #: Per-layer (keys, values) of a prefix, ``[1, heads, p, head_dim]`` each.
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -166,6 +167,26 @@ class Forward:
         del hidden
         return self._finish(jobs, picked, None)
 
+    @property
+    def varlen(self) -> bool:
+        """True when the model's attention runs packed rows varlen (flash-attention): pack into one row."""
+        return getattr(self.model.config, "_attn_implementation", None) in VARLEN_ATTENTION
+
+    def packed(self, jobs: list[Job]) -> list[ScoreResult]:
+        """One forward over the jobs packed into rows (``hf_pack``): position ids restart per sequence, no
+        attention mask, no padding computed beyond the unused tails of rows. Split models only."""
+        pk = pack([j.tokens for j in jobs], self.varlen)
+        width = int(pk.ids.shape[1])
+        self.counters.tokens_computed += sum(int(j.tokens.shape[0]) for j in jobs)
+        self.counters.forward_calls += 1
+        out = self.model.get_decoder()(input_ids=self._to(pk.ids), position_ids=self._to(pk.positions), use_cache=False)
+        hidden = out.last_hidden_state
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        at = np.concatenate([r * width + c + j.rows for j, (r, c) in zip(jobs, pk.where, strict=True)])
+        picked = flat[self._to(at)]
+        del out, hidden, flat
+        return self._finish(jobs, picked, None)
+
     def prefix(self, tokens: npt.NDArray[np.int32]) -> tuple[torch.Tensor, KV] | None:
         """Hidden states ``[p, H]`` and per-layer KV of a shared prefix, or None if its cache cannot be shared."""
         out = self.model.get_decoder()(input_ids=self._to(tokens.astype(np.int64))[None], use_cache=True)
@@ -247,6 +268,54 @@ def probe_sharing(fw: Forward, vocab: int) -> bool:
     return all(
         np.allclose(a.sampled_logprobs, b.sampled_logprobs, atol=1e-4, rtol=0) for a, b in zip(want, got, strict=True)
     )
+
+
+def probe_packing(fw: Forward, vocab: int) -> bool:
+    """Whether packed rows reproduce separate forwards for this model (three sequences of 5, 9 and 12
+    tokens; sdpa packs the two shorter into one row)."""
+    seqs = [np.array([(3 * i + 2 * n) % min(vocab, 64) for i in range(n)], np.int32) for n in (12, 5, 9)]
+    jobs = [Job(t[:-1], np.arange(t.shape[0] - 1, dtype=np.int64), t[1:].astype(np.int64), 2) for t in seqs]
+    saved = Counters(**vars(fw.counters))
+    try:
+        with torch.inference_mode():
+            want = [fw.plain([j])[0] for j in jobs]
+            got = fw.packed(jobs)
+    except Exception as e:  # a model whose attention ignores position-id packing: pad instead
+        _log_off("hf_packing_off", e)
+        return False
+    finally:
+        fw.counters = saved
+    # half-precision weights round differently in a packed row than in a padded one; a wrong mask is off by far more
+    weight = getattr(fw.head.head, "weight", None)
+    tol = 5e-2 if weight is not None and weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return all(
+        np.allclose(a.sampled_logprobs, b.sampled_logprobs, atol=tol, rtol=0) for a, b in zip(want, got, strict=True)
+    )
+
+
+def auto_chunk_positions(device: str, vocab: int, logit_bytes: int) -> int:
+    """Rows per lm_head/log-softmax chunk from the free memory of ``device``: a quarter of the free GPU
+    memory, or a tenth of the available host memory (at most 1 GiB) on CPU, over the ``[chunk, V]``
+    logits and float32 log-probabilities; between 16 and 8192."""
+    per_row = vocab * (logit_bytes + 4)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        budget = free // 4
+    else:
+        budget = min(host_available() // 10, 1 << 30)
+    return int(max(16, min(8192, budget // max(per_row, 1))))
+
+
+def host_available() -> int:
+    """MemAvailable from /proc/meminfo in bytes (2 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2 << 30
 
 
 def _log_off(event: str, e: Exception) -> None:
