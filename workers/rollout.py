@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf backend: reload weights a learner publishes here when the policy version moves; "
                         "groups are then tagged with the version of the weights actually used "
                         "(env DISTILLQ_WEIGHTS_DIR; default: none, no reloading)")
+    p.add_argument("--device", default=env("DEVICE") or "cpu", metavar="DEVICE",
+                   help="hf backend: torch device of the student model, e.g. cuda (env DISTILLQ_DEVICE)")
     add_common_args(p)
 
 
@@ -59,7 +61,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
     if args.backend == "hf":
         from pipeline.rollout.student_hf import HFStudent
 
-        return HFStudent.from_pretrained(args.model)
+        return HFStudent.from_pretrained(args.model, device=args.device)
     if not args.url:
         raise SystemExit("distillq worker rollout: --url is required for the vllm backend")
     from transformers import AutoTokenizer

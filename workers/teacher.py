@@ -77,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-drop", choices=["pass", "dlq"], type=one_of("pass", "dlq"), default=env("ON_DROP", "pass"),
                    help="groups whose payload was dropped: pass them on without payload, or dead-letter them "
                         "(env DISTILLQ_ON_DROP)")
+    p.add_argument("--device", default=env("DEVICE") or "cpu", metavar="DEVICE",
+                   help="hf backend: torch device of the teacher model, e.g. cuda (env DISTILLQ_DEVICE)")
     p.add_argument("--synthetic-latency", type=float, default=0.0, metavar="SECONDS",
                    help="synthetic backend: seconds per call")
     add_common_args(p)
@@ -89,7 +91,7 @@ def make_backend(args: argparse.Namespace) -> TeacherBackend:
         if not args.model:
             raise TeacherConfigError("--model PATH is required for the hf backend")
         return HFTeacher(args.model, max_batch_tokens=args.max_batch_tokens, chunk_positions=args.hf_chunk_positions,
-                         min_shared_prefix=args.hf_min_shared_prefix)
+                         min_shared_prefix=args.hf_min_shared_prefix, device=args.device)
     if args.backend == "synthetic":
         from pipeline.teacher.synthetic import SyntheticTeacher
 

@@ -3,6 +3,9 @@
 The learner writes ``DIR/policy.safetensors`` (atomic rename; safetensors, never pickle) and only
 then sets the policy version in Redis, so a worker that sees version v finds weights at least as new
 as v. A worker tags every group with the version of the weights it actually sampled with.
+
+Weights go through safetensors' ``save_model``/``load_model``, which store a tensor shared by two names once
+(tied input embeddings and lm_head, as in SmolLM2) and restore the tie on load.
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ META_FILE = "policy.json"
 
 def save_weights(model: Any, directory: str | Path, version: int) -> Path:
     """Atomically write ``model``'s weights and their version to ``directory``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_model
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp), metadata={"version": str(version)})
+    save_model(model, str(tmp), metadata={"version": str(version)})
     os.replace(tmp, d / WEIGHTS_FILE)
     meta_tmp = d / f".{META_FILE}.tmp"
     meta_tmp.write_text(json.dumps({"version": version}))
@@ -35,12 +37,12 @@ def save_weights(model: Any, directory: str | Path, version: int) -> Path:
 def load_weights(model: Any, directory: str | Path) -> int | None:
     """Load the published weights into ``model``; returns their version (``None`` if none yet)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
+    from safetensors.torch import load_model
 
     path = Path(directory) / WEIGHTS_FILE
     if not path.exists():
         return None
     with safe_open(str(path), framework="pt") as f:
         version = int((f.metadata() or {}).get("version", "0"))
-    model.load_state_dict(load_file(str(path)), strict=True)
+    load_model(model, str(path), strict=True)
     return version

