@@ -149,9 +149,34 @@ def run_pipeline(cfg: RealDemoConfig, student: Path, teacher: Path, console: Con
     return result
 
 
-def task_figures(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: Path) -> dict[str, float]:
-    """Task accuracies from the learner's records; the end figure is computed here from the last published
-    weights when the learner stopped before its last step."""
+def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: Path) -> None:
+    """When the learner stopped (the time budget) after its last evaluation, evaluate the weights it published
+    last, with the learner's own evaluation code, and add the record to ``result.history``."""
+    steps = [r for r in result.history if r.get("step", 0) > 0]
+    held = [r for r in result.history if "heldout_reverse_kl" in r]
+    if not steps or not held or (held[-1]["step"] >= steps[-1]["step"] and "heldout_task_accuracy" in held[-1]
+                                  and held[-1]["step"] > 0):
+        return
+    from transformers import AutoTokenizer
+
+    from pipeline.learner.example import Evaluator, LearnerConfig
+    from pipeline.models.tinymodels import load_causal_lm
+    from pipeline.models.weights import load_weights
+
+    lc = LearnerConfig(student=str(student), weights_dir=str(cfg.out / "weights"), eval_teacher=str(teacher),
+                       eval_prompts=cfg.eval_prompts, heldout_file=str(cfg.out / "heldout.jsonl"),
+                       eval_max_new=cfg.eval_max_new, device=cfg.device)
+    model = load_causal_lm(student).to(cfg.device)
+    version = load_weights(model, lc.weights_dir)
+    evaluator = Evaluator(lc, model, AutoTokenizer.from_pretrained(str(student)))
+    step = int(steps[-1]["step"])
+    rec: dict[str, float] = {"step": float(step), "policy_version": float(version or 0), "after_stop": 1.0}
+    evaluator.record(rec, step, last=True)
+    result.history.append(rec)
+
+
+def task_figures(result: DemoResult) -> dict[str, float]:
+    """Task accuracies: the teacher's, and the student's first and last."""
     recs = [r for r in result.history if "heldout_task_accuracy" in r]
     out: dict[str, float] = {}
     teacher_acc = [r["teacher_task_accuracy"] for r in result.history if "teacher_task_accuracy" in r]
@@ -161,18 +186,7 @@ def task_figures(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher
         out["heldout_task_accuracy_start"] = recs[0]["heldout_task_accuracy"]
     if len(recs) > 1:
         out["heldout_task_accuracy_end"] = recs[-1]["heldout_task_accuracy"]
-    elif recs and (cfg.out / "weights").exists():
-        from transformers import AutoTokenizer
-
-        from pipeline.models.taskeval import task_accuracy
-        from pipeline.models.tinymodels import load_causal_lm
-        from pipeline.models.weights import load_weights
-
-        model = load_causal_lm(student)
-        load_weights(model, cfg.out / "weights")
-        rows = [r for r in realtasks.load("heldout") if r.get("accept")][: cfg.eval_prompts]
-        out["heldout_task_accuracy_end"] = task_accuracy(model, AutoTokenizer.from_pretrained(str(student)), rows,
-                                                         max_new=cfg.eval_max_new)
+        out["heldout_task_accuracy_end_step"] = recs[-1]["step"]
     return out
 
 

@@ -32,7 +32,15 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 def main(args: argparse.Namespace) -> int:
     from pipeline.models.realpair import RealPair, RealPairUnavailable, ensure_real_pair
     from pipeline.ops.demo import report
-    from pipeline.ops.demo_real import RealDemoConfig, enqueue, plot, run_pipeline, task_figures, throughput
+    from pipeline.ops.demo_real import (
+        RealDemoConfig,
+        enqueue,
+        final_eval,
+        plot,
+        run_pipeline,
+        task_figures,
+        throughput,
+    )
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)
@@ -63,8 +71,10 @@ def main(args: argparse.Namespace) -> int:
                              timeout_s=args.timeout or TIMEOUT_S, device=args.device)
         console.print(f"enqueued {enqueue(cfg)} prompts")
         result = run_pipeline(cfg, pair.student, pair.teacher, console)
+        with console.status("evaluating the last published weights..."):
+            final_eval(result, cfg, pair.student, pair.teacher)
         summary = report(result, console)
-        summary.update(task_figures(result, cfg, pair.student, pair.teacher))
+        summary.update(task_figures(result))
         summary["throughput"] = throughput(result)
         summary["pair"] = {"teacher": str(pair.teacher), "student": str(pair.student), "device": cfg.device,
                            "steps": cfg.steps, "lr": cfg.lr, "top_k": cfg.top_k, "group_size": cfg.group_size,
