@@ -43,7 +43,7 @@ class RealDemoConfig:
     groups_per_batch: int = 2
     top_k: int = 64
     max_tokens: int = 24
-    lr: float = 3e-4
+    lr: float = 1e-4
     eval_every: int = 20
     eval_prompts: int = 24
     eval_max_new: int = 12
