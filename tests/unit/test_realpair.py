@@ -71,3 +71,22 @@ def test_weight_sync_keeps_tied_embeddings(tmp_path: Path) -> None:
     assert b.get_output_embeddings().weight.data_ptr() == b.get_input_embeddings().weight.data_ptr()
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_report_figures_from_the_learner_records() -> None:
+    from pipeline.ops.demo import DemoResult
+    from pipeline.ops.demo_real import task_figures, throughput
+
+    history = [
+        {"step": 0.0, "heldout_reverse_kl": 7.0, "heldout_task_accuracy": 0.0, "teacher_task_accuracy": 0.6},
+        {"step": 1.0, "tokens": 300.0, "step_s": 10.0},
+        {"step": 2.0, "tokens": 500.0, "step_s": 10.0, "heldout_reverse_kl": 3.0, "heldout_task_accuracy": 0.25},
+    ]
+    result = DemoResult(history=history, elapsed_s=40.0,
+                        stages={"teacher": {"handled": 3, "started": 1.0, "tokens_scored": 900}})
+    assert task_figures(result) == {"teacher_task_accuracy": 0.6, "heldout_task_accuracy_start": 0.0,
+                                    "heldout_task_accuracy_end": 0.25, "heldout_task_accuracy_end_step": 2.0}
+    t = throughput(result)
+    assert t["learner"] == {"steps": 2, "tokens": 800, "optimiser_s": 20.0, "tokens_per_s_optimiser": 40.0,
+                            "s_per_step_wall": 20.0}
+    assert t["teacher"]["tokens"] == 900 and t["teacher"]["groups"] == 3
