@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the servers load a version: vllm (reload_weights, VLLM_SERVER_DEV_MODE=1), vllm-lora "
                         "(a PEFT adapter per version, --enable-lora) or sglang (update_weights_from_disk) "
                         "(env DISTILLQ_WEIGHTS_SYNC)")
+    p.add_argument("--device", default=env("DEVICE") or "cpu", metavar="DEVICE",
+                   help="hf backend: torch device of the student model, e.g. cuda (env DISTILLQ_DEVICE)")
     add_common_args(p)
 
 
@@ -73,7 +75,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
     if args.backend == "hf":
         from pipeline.rollout.student_hf import HFStudent
 
-        return HFStudent.from_pretrained(args.model)
+        return HFStudent.from_pretrained(args.model, device=args.device)
     urls = [u.strip() for arg in (args.url or [env("STUDENT_URL") or ""]) for u in arg.split(",") if u.strip()]
     if not urls:
         raise SystemExit("distillq worker rollout: --url is required for the vllm backend")

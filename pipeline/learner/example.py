@@ -14,7 +14,10 @@ every ``sync_every`` steps publish the weights (a Hugging Face checkpoint folder
 In that order a crash loses no update and trains no batch twice: a restarted learner restores its
 checkpoint, publishes its weights again, and acknowledges without training a redelivered batch that the
 checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL), including the batch's
-sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to the teacher on held-out prompts.
+sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to the teacher on held-out prompts
+(the tiny arithmetic task's, or ``--heldout-file``'s: JSONL rows with ``messages``; where they carry
+``accept`` answers, the student's task accuracy at the first and last step and the teacher's at the first,
+as ``heldout_task_accuracy`` and ``teacher_task_accuracy``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class LearnerConfig:
     eval_teacher: str | None = None
     eval_every: int = 25
     eval_prompts: int = 48
+    heldout_file: str | None = None
+    device: str = "cpu"
+    eval_max_new: int = 8
     metrics_file: str | None = None
     batch_timeout_s: float = 60.0
     redis_url: str | None = None
@@ -71,33 +77,81 @@ def heldout_prompts(tokenizer: Any, n: int, seed: int = 12345) -> list[list[int]
     return [chat_ids(tokenizer, arithmetic_problem(rng, "heldout")[0]) for _ in range(n)]
 
 
+def read_heldout(path: str, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rows of a held-out JSONL file (each with ``messages``, optionally ``accept``)."""
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return rows[:n]
+
+
+def message_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids: list[int] = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                   return_dict=False)
+    return ids
+
+
+class Evaluator:
+    """Held-out figures of the student against the teacher: exact reverse KL, and task accuracy where the
+    held-out rows carry ``accept`` answers."""
+
+    def __init__(self, cfg: LearnerConfig, student: Any, tokenizer: Any) -> None:
+        self.cfg, self.student, self.tokenizer = cfg, student, tokenizer
+        self.teacher = load_causal_lm(cfg.eval_teacher).to(cfg.device) if cfg.eval_teacher else None
+        rows = read_heldout(cfg.heldout_file, cfg.eval_prompts) if cfg.heldout_file else []
+        self.task_rows = [r for r in rows if r.get("accept")] if self.teacher is not None else []
+        if self.teacher is None:
+            self.prompts: list[list[int]] = []
+        elif rows:
+            self.prompts = [message_ids(tokenizer, r["messages"]) for r in rows]
+        else:
+            self.prompts = heldout_prompts(tokenizer, cfg.eval_prompts)
+        self.eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [2]
+
+    def reverse_kl(self, step: int) -> float:
+        from pipeline.models.evaluation import reverse_kl_on_prompts
+
+        self.student.eval()
+        kl = reverse_kl_on_prompts(self.student, self.teacher, self.prompts, seed=step, max_new=self.cfg.eval_max_new,
+                                   eos_ids=self.eos_ids)
+        self.student.train()
+        return kl
+
+    def task(self, model: Any) -> float:
+        from pipeline.models.taskeval import task_accuracy
+
+        model.eval()
+        acc = task_accuracy(model, self.tokenizer, self.task_rows, max_new=self.cfg.eval_max_new)
+        self.student.train()
+        return acc
+
+    def record(self, rec: dict[str, float], step: int, *, first: bool = False, last: bool = False) -> None:
+        """Add the held-out figures due at ``step`` to ``rec``."""
+        if self.teacher is None:
+            return
+        if first or last or step % self.cfg.eval_every == 0:
+            rec["heldout_reverse_kl"] = self.reverse_kl(step)
+        if self.task_rows and (first or last):
+            rec["heldout_task_accuracy"] = self.task(self.student)
+        if self.task_rows and first:
+            rec["teacher_task_accuracy"] = self.task(self.teacher)
+
+
 def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
     from transformers import AutoTokenizer
 
-    from pipeline.models.evaluation import reverse_kl_on_prompts
-
     torch.manual_seed(cfg.seed)
-    student = load_causal_lm(cfg.student)
+    student = load_causal_lm(cfg.student).to(cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.student)
-    teacher = load_causal_lm(cfg.eval_teacher) if cfg.eval_teacher else None
-    prompts = heldout_prompts(tokenizer, cfg.eval_prompts) if teacher is not None else []
+    evaluator = Evaluator(cfg, student, tokenizer)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
     history: list[dict[str, float]] = []
     out = open(cfg.metrics_file, "a") if cfg.metrics_file else None  # noqa: SIM115
     version = 0
 
-    def evaluate(step: int) -> float:
-        student.eval()
-        kl = reverse_kl_on_prompts(student, teacher, prompts, seed=step)
-        student.train()
-        return kl
-
     ckpt_dir = cfg.checkpoint_dir or str(Path(cfg.weights_dir) / "checkpoint")
     with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
         ckpt, version, step = restore(ckpt_dir, student, opt, learner, cfg)
         rec0: dict[str, float] = {"step": float(step), "policy_version": float(version)}
-        if teacher is not None:
-            rec0["heldout_reverse_kl"] = evaluate(step)
+        evaluator.record(rec0, step, first=True)
         _emit(rec0, history, out, on_step)
         student.train()
         while step < cfg.steps:
@@ -119,8 +173,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             if synced:
                 learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
             rec = _record(step, (loss, pg, kd), b.batch, version, time.perf_counter() - t0)
-            if teacher is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                rec["heldout_reverse_kl"] = evaluate(step)
+            evaluator.record(rec, step, last=step == cfg.steps)
             _emit(rec, history, out, on_step)
     if out is not None:
         out.close()
@@ -148,7 +201,7 @@ def optimiser_step(
     The chunked losses (``pipeline.learner.chunked``): from the base model's hidden states and the lm_head,
     so no ``[B, N, V]`` logits exist at any vocabulary size.
     """
-    tb = to_torch(batch)
+    tb = to_torch(batch, device=next(student.parameters()).device)
     hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
     h, head = hidden.last_hidden_state[:, :-1], student.get_output_embeddings()
     pg = importance_sampled_pg_loss(h, head.weight, tb.labels, tb.student_logprobs, tb.advantages, tb.loss_mask,
@@ -195,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, typ, default in (
         ("student", str, None), ("weights-dir", str, None), ("steps", int, 300), ("lr", float, 2e-3),
         ("pg-weight", float, 1.0), ("kd-weight", float, 1.0), ("sync-every", int, 1), ("eval-teacher", str, None),
-        ("eval-every", int, 25), ("eval-prompts", int, 48), ("metrics-file", str, None),
+        ("eval-every", int, 25), ("eval-prompts", int, 48), ("heldout-file", str, None), ("eval-max-new", int, 8),
+        ("device", str, "cpu"),
+        ("metrics-file", str, None),
         ("batch-timeout", float, 60.0), ("redis-url", str, None), ("namespace", str, None),
         ("checkpoint-dir", str, None),
     ):
@@ -204,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     cfg = LearnerConfig(student=a.student, weights_dir=a.weights_dir, steps=a.steps, lr=a.lr, pg_weight=a.pg_weight,
                         kd_weight=a.kd_weight, sync_every=a.sync_every, eval_teacher=a.eval_teacher,
-                        eval_every=a.eval_every, eval_prompts=a.eval_prompts, metrics_file=a.metrics_file,
+                        eval_every=a.eval_every, eval_prompts=a.eval_prompts, heldout_file=a.heldout_file,
+                        eval_max_new=a.eval_max_new, device=a.device, metrics_file=a.metrics_file,
                         batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace,
                         checkpoint_dir=a.checkpoint_dir)
     Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)

@@ -19,19 +19,20 @@ from pipeline.models.kvcache import output_cache, with_cache
 def sample_completion(
     model: Any, prompt_ids: list[int], max_new: int, eos_ids: set[int], gen: torch.Generator
 ) -> list[int]:
-    ids = torch.tensor([prompt_ids])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     past = None
     step_input = ids
     for _ in range(max_new):
         res = model(step_input, **with_cache(model, past), use_cache=True)
         past = output_cache(res)
-        probs = torch.softmax(res.logits[0, -1].float(), -1)
+        probs = torch.softmax(res.logits[0, -1].float(), -1).cpu()  # the generator lives on the CPU
         tok = int(torch.multinomial(probs, 1, generator=gen))
         out.append(tok)
         if tok in eos_ids:
             break
-        step_input = torch.tensor([[tok]])
+        step_input = torch.tensor([[tok]], device=device)
     return out
 
 
@@ -47,7 +48,7 @@ def reverse_kl_on_prompts(
         completion = sample_completion(student, prompt, max_new, set(eos_ids), gen)
         if not completion:
             continue
-        ids = torch.tensor([prompt + completion])
+        ids = torch.tensor([prompt + completion], device=next(student.parameters()).device)
         start = len(prompt) - 1  # logits at position p predict token p + 1
         ls = torch.log_softmax(student(ids).logits[0, start:-1].float(), -1)
         lt = torch.log_softmax(teacher(ids).logits[0, start:-1].float(), -1)

