@@ -9,6 +9,7 @@
 #                                  (transformers, tokenizers, numpy, atroposlib, verifiers): a report, exit 0 (CI)
 # In newest and floor runs a third-party deprecation is reported, not failed; distillq's own warnings, and the
 # tests in tests/unit/test_third_party_apis.py (one per third-party API distillq relies on), still fail on one.
+# DISTILLQ_DEPS_DEADLINE: epoch seconds by which the tests stop (CI's time budget).
 # DISTILLQ_DEPS_TESTS: pytest arguments as shell words (default: the whole suite), e.g. "-m 'not vllm'".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,11 @@ echo "deps $mode: versions that differ from constraints.txt"
 "$venv/bin/python" ops/deps.py diff constraints.txt
 [ "$mode" = lock ] || export DISTILLQ_THIRD_PARTY_WARNINGS=report
 eval "set -- ${DISTILLQ_DEPS_TESTS:-}"  # shell words: -m 'not vllm' stays one argument
-PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfE "$@" > "$venv/pytest.log" 2>&1
+# DISTILLQ_DEPS_DEADLINE (epoch seconds): pytest is interrupted then, and still prints what failed so far.
+limit=$(( ${DISTILLQ_DEPS_DEADLINE:-$(( $(date +%s) + 86400 ))} - $(date +%s) ))
+[ "$limit" -gt 0 ] || { echo "deps $mode: no time left for the tests"; exit 0; }
+PATH="$PWD/$venv/bin:$PATH" timeout -s INT -k 60 "$limit" "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfE \
+  "$@" > "$venv/pytest.log" 2>&1
 rc=$?
 grep -E "^(FAILED|ERROR) |passed|failed" "$venv/pytest.log" | tail -40
 if [ "$mode" = lock ]; then
