@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from pipeline.transport.keys import STREAMS, Keys
 
@@ -53,7 +54,10 @@ async def list_namespaces(redis: aioredis.Redis) -> list[NamespaceInfo]:
         elif key.startswith(f"{ns}:health:"):
             info.workers += 1
     for ns, name, key in streams:
-        n = int(await redis.xlen(key))
+        try:
+            n = int(await redis.xlen(key))
+        except ResponseError:  # a key of that name that is not a stream (WRONGTYPE): not counted, never fatal
+            continue
         found[ns].streams[name] = found[ns].streams.get(name, 0) + n
     return sorted(found.values(), key=lambda i: i.name)
 

@@ -376,6 +376,22 @@ async def test_dlq_purge_confirms_and_respects_age(
 # --- push --------------------------------------------------------------------------------------------
 
 
+async def test_push_to_a_new_namespace_beside_a_foreign_key_of_a_stream_name(
+    r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Another namespace's key named like a stream but of another type (WRONGTYPE for XLEN) never fails a push."""
+    other = Keys(f"{keys.namespace}x")
+    await r.set(other.stream("rollouts"), "not a stream")
+    try:
+        path = tmp_path / "groups.jsonl"
+        path.write_text(json.dumps(to_atropos(synthetic_rollout(2, 9, prompt_len=3, group_id="g0", seed=0))) + "\n")
+        code, out, err = await cli(capsys, redis_url, keys, "push", str(path))
+        assert code == 0 and out == f"pushed 1 group(s) onto rollouts in namespace '{keys.namespace}'\n"
+        assert "namespaces here: " in err and other.namespace in err
+    finally:
+        await r.delete(other.stream("rollouts"))
+
+
 async def test_push_good_file_lands_on_the_stream(
     r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
