@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.models.weights import fsync_dir
+
 LATEST = "latest"
 FORMAT = 1
 
@@ -45,14 +47,6 @@ class Checkpoint:
         """Whether the batch ``batch_id`` is already in these weights (a crash came between the checkpoint
         and its ack: acknowledge it again without training)."""
         return batch_id in self.batch_ids
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _split_optimizer(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,7 +109,7 @@ def save_checkpoint(
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = d / f"step-{int(step):09d}"
         if final.exists():  # the same step written again (a retried step): replace it
             shutil.rmtree(final)
@@ -126,7 +120,7 @@ def save_checkpoint(
     latest_tmp = d / f".{LATEST}.{uuid.uuid4().hex}"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, d / LATEST)
-    _fsync_dir(d)
+    fsync_dir(d)
     for old in sorted(p for p in d.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
