@@ -38,7 +38,7 @@ from tests.kill_proxy import KillOnPauseProxy
 from tests.redis_server import free_port
 from tests.vllm_server import needs_vllm
 
-STEPS = 45
+STEPS = 60
 MAX_STALENESS = 3  # the demo feeder's --max-staleness
 HOLD_AT = 6  # rank 1 is killed in the middle of this step
 VLLM_KILL_AFTER = 12  # the vLLM server is killed during the first reload after this learner step
