@@ -211,6 +211,16 @@ def read_history(path: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def worker_env(cfg: DemoConfig) -> dict[str, str]:
+    """The environment of the demo's processes (Redis, namespace, JSON logs, one thread each)."""
+    env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "8",
+           "DISTILLQ_LOG_JSON": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "DISTILLQ_HEARTBEAT_INTERVAL_S": "1"}
+    if cfg.jobs_redis_url:
+        env["DISTILLQ_JOBS_REDIS_URL"] = cfg.jobs_redis_url
+    return env
+
+
 def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console) -> DemoResult:
     cfg.out.mkdir(parents=True, exist_ok=True)
     if not cfg.resume:
@@ -218,11 +228,7 @@ def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console
     keys = Keys(cfg.namespace)
     runner = asyncio.Runner()  # one loop for the monitoring client (a Cluster client too) for the whole run
     r = connect(cfg.settings())
-    env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "8",
-           "DISTILLQ_LOG_JSON": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "DISTILLQ_HEARTBEAT_INTERVAL_S": "1"}
-    if cfg.jobs_redis_url:
-        env["DISTILLQ_JOBS_REDIS_URL"] = cfg.jobs_redis_url
+    env = worker_env(cfg)
     earlier = read_history(cfg.out / "metrics.jsonl")
     first_step = int(max((r.get("step", 0) for r in earlier), default=0))
     sup = Supervisor(process_specs(cfg, student, teacher, first_step), cfg.out / "logs", base_env=env)
