@@ -6,7 +6,8 @@
 The example learner (``pipeline.learner.example``) on N ranks: each rank reads its part of the same batch
 (``Learner(rank=, world_size=)``), the losses are those of ``example.optimiser_step`` summed and divided by
 the whole batch's token counts (``all_reduce``), so that DDP's mean of the ranks' gradients is the gradient of
-the whole batch (shown to 1e-6 by tests/integration/test_learner_ranks.py). After each step: rank 0 writes the
+the whole batch (shown to 1e-6 by tests/integration/test_learner_ranks.py); AdamW with the learning rate
+decaying linearly from ``--lr`` to 0 at ``--steps``. After each step: rank 0 writes the
 checkpoint, every rank acks, then ``publish_weights`` (rank 0 writes the version folder, all wait for it).
 A restarted group restores the checkpoint on every rank and acks, untrained, a batch it already holds.
 
@@ -136,6 +137,8 @@ class Rank:
         if step == self.a.hold_at_step:
             self.emit({"event": "hold", "step": step, "batch_id": batch_id})
             time.sleep(3600)  # to be killed
+        for group in self.opt.param_groups:  # linear decay to 0 at --steps; a function of the step, so a
+            group["lr"] = self.a.lr * (1 - (step - 1) / self.a.steps)  # restarted group goes on the same
         self.opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
