@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
-STEPS = 80
+STEPS = 120
 
 
 def demo(out: Path, *extra: str) -> tuple[dict[str, Any], str]:
