@@ -46,7 +46,7 @@ class TeacherProc:
     """``distillq worker teacher --backend hf`` with the tiny teacher, as a process ended by its pid."""
 
     def __init__(self, redis_url: str, namespace: str, tiny: TinyModels, log: Path) -> None:
-        self.argv = [sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend", "hf", "--model",
+        self.argv = [sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend", "hf", "--model",
                      str(tiny.teacher), "--student-tokenizer", str(tiny.tokenizer), "--top-k", str(K),
                      "--redis-url", redis_url, "--namespace", namespace]
         self.log = log

@@ -503,7 +503,7 @@ def test_state_survives_a_server_restart(redis_url: str, keys: Keys, tmp_path: P
     started again (through its CLI) carries on."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--port", str(port),
+    argv = [sys.executable, "-m", "pipeline.cli.main", "serve", "atropos", "--port", str(port),
             "--redis-url", redis_url, "--namespace", keys.namespace, "--lease-s", "1"]
     env = {**os.environ, "DISTILLQ_BLOCK_MS": "100"}
 
@@ -770,7 +770,7 @@ async def test_a_reset_waits_for_posts_under_way_and_holds_new_ones() -> None:
 
 
 def test_unreachable_redis_at_startup_is_one_line_and_exit_3() -> None:
-    argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--port", str(free_port()),
+    argv = [sys.executable, "-m", "pipeline.cli.main", "serve", "atropos", "--port", str(free_port()),
             "--redis-url", "redis://127.0.0.1:1/0"]
     t0 = time.monotonic()
     res = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)

@@ -533,7 +533,7 @@ def test_cli_configuration_errors_are_one_line_and_exit_2(
     argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Checked before a model loads or Redis is contacted (the redis URL here is never reachable)."""
-    from pipeline.ops.cli.main import main as distillq
+    from pipeline.cli.main import main as distillq
 
     url = [] if "--redis-url" in argv else ["--redis-url", "redis://127.0.0.1:9/0"]
     assert run_student(student_args(*argv, *url)) == 2

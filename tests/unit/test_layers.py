@@ -1,6 +1,6 @@
 """The package layout is the architecture: imports run one way between layers, and no module cycle exists.
 
-ops -> workers -> stages -> transport -> (config, metrics, logs) -> schemas; teacher, rollout, models and
+cli -> workers -> stages -> transport -> (config, metrics, logs) -> schemas; teacher, rollout, models and
 learner sit beside them as drawn in ALLOWED. A new import that breaks a rule fails here with its file.
 """
 
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("schemas", "pipeline", "workers", "bench")
-BASE = {"pipeline.config", "pipeline.metrics", "pipeline.logs", "pipeline.urls"}
+BASE = {"pipeline.config", "pipeline.metrics", "pipeline.logs", "pipeline.urls", "pipeline.moved"}
 
 # layer -> the layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -33,10 +33,11 @@ ALLOWED: dict[str, set[str]] = {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher",
         "pipeline.rollout", "pipeline.models",
     },
-    "pipeline.ops": {
+    "pipeline.cli": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
         "pipeline.models", "pipeline.learner", "pipeline.serve", "workers",
     },
+    "pipeline.ops": {"pipeline.base"},  # the old path of pipeline.cli (module names in a table, not imports)
 }
 
 

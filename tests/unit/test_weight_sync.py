@@ -291,6 +291,6 @@ def test_demo_with_a_vllm_student_needs_the_venv() -> None:
     import sys
 
     env = {**os.environ, "DISTILLQ_VLLM_PYTHON": "/nonexistent/python"}
-    p = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--student", "vllm"], env=env,
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--student", "vllm"], env=env,
                        capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and ".venv-vllm" in p.stderr, p.stderr

@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from rich.console import Console
 
+from pipeline.cli.errors import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
 from pipeline.config import RedisSettings, add_redis_args, redis_settings_from_args
-from pipeline.ops.cli.errors import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
 from pipeline.transport.connection import connect, redis_error_line
 from pipeline.transport.keys import STREAMS, Keys
 from workers.common import HelpFormatter

@@ -49,7 +49,7 @@ class Proc:
 
 def distillq_argv(*args: str) -> list[str]:
     """``distillq ARGS`` run with this interpreter (works without the console script on PATH)."""
-    return [sys.executable, "-m", "pipeline.ops.cli.main", *args]
+    return [sys.executable, "-m", "pipeline.cli.main", *args]
 
 
 class Supervisor:

@@ -10,7 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pipeline.ops.cli.common import add_command
+from pipeline.cli.commands.common import add_command
 
 DEMO_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _shell(argv: list[str]) -> str:
     """A command as a user types it: ``distillq ...`` for the CLI, ``python -m ...`` for modules."""
-    if argv[:3] == [sys.executable, "-m", "pipeline.ops.cli.main"]:
+    if argv[:3] == [sys.executable, "-m", "pipeline.cli.main"]:
         argv = ["distillq", *argv[3:]]
     elif argv[:2] == [sys.executable, "-m"]:
         argv = ["python", *argv[1:]]
@@ -47,8 +47,8 @@ def _shell(argv: list[str]) -> str:
 
 
 def commands(student: Path, teacher: Path, out: Path, url: str, namespace: str, prompts: Path | None) -> list[str]:
-    """The demo's processes (``pipeline.ops.demo.process_specs``) as shell commands, after ``enqueue``."""
-    from pipeline.ops.demo import DemoConfig, process_specs
+    """The demo's processes (``pipeline.cli.demo.process_specs``) as shell commands, after ``enqueue``."""
+    from pipeline.cli.demo import DemoConfig, process_specs
 
     where = ["--redis-url", url, "--namespace", namespace]
     cmds = [shlex.join(["distillq", "enqueue", str(prompts or "prompts.jsonl"), *where])]

@@ -25,10 +25,10 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pipeline.cli.demo import DemoResult, read_heartbeats, read_history
+from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
 from pipeline.models import realtasks
-from pipeline.ops.demo import DemoResult, read_heartbeats, read_history
-from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.transport.connection import connect
 from pipeline.transport.jobs import PromptJob, enqueue_prompts
 from pipeline.transport.keys import Keys

@@ -7,8 +7,8 @@ import json
 
 import redis.asyncio as aioredis
 
-from pipeline.ops.cli.common import add_command, add_redis_args, run, with_redis
-from pipeline.ops.locate import locate
+from pipeline.cli.commands.common import add_command, add_redis_args, run, with_redis
+from pipeline.cli.locate import locate
 from pipeline.transport.keys import Keys
 
 

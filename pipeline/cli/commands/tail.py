@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from pipeline.ops.cli.common import add_command, add_redis_args, env_default, run_output, stream_name, with_redis
-from pipeline.ops.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
+from pipeline.cli.commands.common import add_command, add_redis_args, env_default, run_output, stream_name, with_redis
+from pipeline.cli.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
 from pipeline.transport.consumer import resolve_payloads
 from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import get_shards

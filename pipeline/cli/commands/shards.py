@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.ops.cli.common import add_command, add_redis_args, redis_settings_from_args, run, with_redis
+from pipeline.cli.commands.common import add_command, add_redis_args, redis_settings_from_args, run, with_redis
 from pipeline.transport.sharding import ShardConfigError, get_shards, set_shards
 
 

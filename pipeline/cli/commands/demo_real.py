@@ -17,9 +17,9 @@ import sys
 import time
 from types import FrameType
 
+from pipeline.cli.commands.common import ensure_reachable, make_console, run
+from pipeline.cli.embedded import EmbeddedRedis
 from pipeline.config import redis_settings
-from pipeline.ops.cli.common import ensure_reachable, make_console, run
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.transport.connection import mask_url
 
 STEPS, TIMEOUT_S = 80, 1800.0
@@ -30,9 +30,8 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipeline.models.realpair import RealPair, RealPairUnavailable, ensure_real_pair
-    from pipeline.ops.demo import report
-    from pipeline.ops.demo_real import (
+    from pipeline.cli.demo import report
+    from pipeline.cli.demo_real import (
         RealDemoConfig,
         enqueue,
         final_eval,
@@ -41,6 +40,7 @@ def main(args: argparse.Namespace) -> int:
         task_figures,
         throughput,
     )
+    from pipeline.models.realpair import RealPair, RealPairUnavailable, ensure_real_pair
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)

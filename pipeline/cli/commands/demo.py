@@ -18,10 +18,10 @@ from types import FrameType
 
 from rich.console import Console
 
+from pipeline.cli.commands.common import add_command, ensure_reachable, make_console, namespace_keys, run
+from pipeline.cli.embedded import EmbeddedRedis
+from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.config import RedisSettings, redis_settings
-from pipeline.ops.cli.common import add_command, ensure_reachable, make_console, namespace_keys, run
-from pipeline.ops.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.transport.connection import is_cluster_url, mask_url
 
 
@@ -80,7 +80,7 @@ def _embedded(missing: str | None = None) -> EmbeddedRedis:
 
 def prepare_redis(settings: RedisSettings, console: Console, *, jobs_embedded: bool) -> None:
     """Refuse a namespace that a running pipeline uses; delete what an earlier run left in it."""
-    from pipeline.ops.demo import clear_namespace, live_workers
+    from pipeline.cli.demo import clear_namespace, live_workers
 
     keys = namespace_keys(settings)
     live = run(live_workers(settings, keys))
@@ -94,7 +94,7 @@ def prepare_redis(settings: RedisSettings, console: Console, *, jobs_embedded: b
 
 def prepare_out(args: argparse.Namespace, console: Console) -> None:
     """Replace an earlier run's outputs in ``--out``, saying so; or check that ``--resume`` has one to go on from."""
-    from pipeline.ops.demo import clear_outputs, read_history
+    from pipeline.cli.demo import clear_outputs, read_history
 
     if args.resume:
         history = read_history(args.out / "metrics.jsonl")
@@ -141,15 +141,15 @@ def start_redis(args: argparse.Namespace, namespace: str, console: Console,
 
 def main(args: argparse.Namespace) -> int:
     if args.real:
-        from pipeline.ops.cli.demo_real import main as main_real
+        from pipeline.cli.commands.demo_real import main as main_real
 
         return main_real(args)
+    from pipeline.cli.demo import DemoConfig, can_resume, plot, report, run_pipeline
     from pipeline.models.pretrain import train_teacher
     from pipeline.models.tinymodels import ensure_tiny_models
-    from pipeline.ops.demo import DemoConfig, can_resume, plot, report, run_pipeline
 
     if args.student == "vllm":
-        from pipeline.ops.demo_vllm import missing_line, vllm_python
+        from pipeline.cli.demo_vllm import missing_line, vllm_python
 
         if vllm_python() is None:
             print(missing_line(), file=sys.stderr)
@@ -171,13 +171,13 @@ def main(args: argparse.Namespace) -> int:
             teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
                 f"training the teacher: step {s + 1}, loss {loss:.3f}"))
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
-        from pipeline.ops.demo_vllm import START_S
+        from pipeline.cli.demo_vllm import START_S
 
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
                          rollout_workers=args.rollout_workers, jobs_redis_url=jobs_url, resume=args.resume,
                          student_backend=args.student,
                          timeout_s=(args.timeout or 240.0) + (START_S if args.student == "vllm" else 0.0))
-        from pipeline.ops.demo import enqueue
+        from pipeline.cli.demo import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")
         result = run_pipeline(cfg, tiny.student, teacher, console)

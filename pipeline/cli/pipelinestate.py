@@ -11,9 +11,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from pipeline.cli.namespaces import absent_note
+from pipeline.cli.streamstats import Snapshot, collect
 from pipeline.config import StreamSettings
-from pipeline.ops.namespaces import absent_note
-from pipeline.ops.streamstats import Snapshot, collect
 from pipeline.transport.keys import Keys
 
 #: Consumer groups whose readers write a heartbeat (the learner client writes none).

@@ -28,11 +28,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
 from pipeline.learner.checkpoint import LATEST
 from pipeline.models.tinymodels import arithmetic_problem
 from pipeline.models.weights import latest as latest_published
-from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.transport.connection import connect
 from pipeline.transport.jobs import PromptJob, enqueue_prompts, job_key_patterns
 from pipeline.transport.keys import Keys
@@ -57,7 +57,7 @@ class DemoConfig:
     eval_every: int = 25
     jobs_redis_url: str | None = None  # the rollout job queue (arq), when not on redis_url (a Cluster)
     resume: bool = False  # go on from the learner's checkpoint in out/weights instead of starting clean
-    student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.ops.demo_vllm)
+    student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.cli.demo_vllm)
 
     def settings(self) -> RedisSettings:
         return RedisSettings(redis_url=self.redis_url, namespace=self.namespace, jobs_redis_url=self.jobs_redis_url)
@@ -148,7 +148,7 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
         for i in range(cfg.rollout_workers)
     ]
     if cfg.student_backend == "vllm":
-        from pipeline.ops import demo_vllm
+        from pipeline.cli import demo_vllm
 
         python, port = demo_vllm.vllm_python(), demo_vllm.free_port()
         assert python is not None, demo_vllm.missing_line()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.ops.cli.common import (
+from pipeline.cli.commands.common import (
     add_command,
     add_redis_args,
     ensure_reachable,
@@ -22,7 +22,7 @@ from pipeline.ops.cli.common import (
     report_bad_lines,
     run,
 )
-from pipeline.ops.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
+from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.jobs import PROMPT_DECODER, PromptJob, arq_settings, enqueue_prompts
 
 

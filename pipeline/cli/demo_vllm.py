@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from pipeline.ops.supervisor import ProcSpec, distillq_argv
+from pipeline.cli.supervisor import ProcSpec, distillq_argv
 
 SERVED_NAME = "tiny-student"
 #: Seconds added to the demo's timeout for the server to start (model load, engine warm-up on CPU).

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.ops.cli.common import (
+from pipeline.cli.commands.common import (
     add_command,
     add_redis_args,
     make_console,
@@ -21,8 +21,8 @@ from pipeline.ops.cli.common import (
     stream_name,
     with_redis,
 )
-from pipeline.ops.pipelinestate import collect_all
-from pipeline.ops.streamstats import Snapshot, with_rates
+from pipeline.cli.pipelinestate import collect_all
+from pipeline.cli.streamstats import Snapshot, with_rates
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import STREAMS, Keys
 

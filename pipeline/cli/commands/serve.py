@@ -6,7 +6,7 @@
 ``atropos``: the Atropos API (``pipeline.serve.atropos_app``): environments POST scored groups, which go
 onto ``rollouts`` for the teacher workers; trainers GET ``/batch`` and receive the scored groups with
 ``distill_token_ids``/``distill_logprobs`` filled. Every server is one ``add_<server>`` function below,
-listed in ``SERVERS``. ``python -m pipeline.ops.cli.main serve SERVER ...`` is the same without the
+listed in ``SERVERS``. ``python -m pipeline.cli.main serve SERVER ...`` is the same without the
 console script.
 
 ``student``: the verifiers-compatible student endpoint (``pipeline.serve.student_app``): verifiers' train
@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import structlog
 
+from pipeline.cli.commands.common import add_command, env_default
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
-from pipeline.ops.cli.common import add_command, env_default
 
 
 def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,7 +52,7 @@ def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run_atropos(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pipeline.ops.cli.common import ensure_reachable, run
+    from pipeline.cli.commands.common import ensure_reachable, run
     from pipeline.serve.atropos_app import create_app
     from pipeline.serve.atropos_server import ServeConfig
 

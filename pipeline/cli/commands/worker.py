@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.ops.cli.common import add_command
+from pipeline.cli.commands.common import add_command
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

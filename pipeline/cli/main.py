@@ -10,14 +10,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pipeline.cli.errors import EXIT_INTERRUPTED, EXIT_USAGE, describe
 from pipeline.logs import configure_logging
-from pipeline.ops.cli.errors import EXIT_INTERRUPTED, EXIT_USAGE, describe
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipeline.ops.cli import (
+    from pipeline.cli.commands import (
         demo,
         dlq,
         enqueue,

@@ -17,8 +17,7 @@ from typing import Final
 
 import redis.asyncio as aioredis
 
-from pipeline.config import StreamSettings
-from pipeline.ops.cli.common import (
+from pipeline.cli.commands.common import (
     add_command,
     add_redis_args,
     read_input,
@@ -27,8 +26,9 @@ from pipeline.ops.cli.common import (
     run,
     with_redis,
 )
-from pipeline.ops.cli.errors import EXIT_FAILED, CliError
-from pipeline.ops.namespaces import absent_note
+from pipeline.cli.errors import EXIT_FAILED, CliError
+from pipeline.cli.namespaces import absent_note
+from pipeline.config import StreamSettings
 from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer, message_id
 from pipeline.transport.sharding import get_shards

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from pipeline.cli.commands.common import add_command, make_console
+from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import add_redis_args, redis_settings_from_args
-from pipeline.ops.cli.common import add_command, make_console
-from pipeline.ops.supervisor import ProcSpec, Supervisor, distillq_argv
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

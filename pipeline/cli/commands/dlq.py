@@ -20,8 +20,7 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 
-from pipeline.config import StreamSettings
-from pipeline.ops.cli.common import (
+from pipeline.cli.commands.common import (
     add_command,
     add_redis_args,
     namespace_keys,
@@ -29,10 +28,11 @@ from pipeline.ops.cli.common import (
     run,
     with_redis,
 )
-from pipeline.ops.cli.errors import EXIT_USAGE, CliError
-from pipeline.ops.inspect import one_line, summarize_entry, summarize_message
-from pipeline.ops.namespaces import absent_note
-from pipeline.ops.streamstats import server_time
+from pipeline.cli.errors import EXIT_USAGE, CliError
+from pipeline.cli.inspect import one_line, summarize_entry, summarize_message
+from pipeline.cli.namespaces import absent_note
+from pipeline.cli.streamstats import server_time
+from pipeline.config import StreamSettings
 from pipeline.transport.claimcheck import encode_header
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, BackpressureTimeout, StreamProducer, message_id, message_type
