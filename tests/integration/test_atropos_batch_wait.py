@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from pipeline.config import RedisSettings
-from pipeline.serve.atropos_app import create_app
-from pipeline.serve.atropos_packing import scoring_completes_batch
-from pipeline.serve.atropos_server import ServeConfig
+from pipeline.serve.atropos.app import create_app
+from pipeline.serve.atropos.packing import scoring_completes_batch
+from pipeline.serve.atropos.startup import ServeConfig
 from pipeline.transport.keys import Keys
 from tests.integration.test_serve_atropos import ENV, FAST, REGISTRATION, TeacherThread, ThreadedServer, group, http
 

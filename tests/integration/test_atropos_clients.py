@@ -23,8 +23,8 @@ import pytest
 
 from pipeline.config import RedisSettings
 from pipeline.models.tinymodels import TinyModels, ensure_tiny_models, load_causal_lm
-from pipeline.serve.atropos_app import create_app
-from pipeline.serve.atropos_server import ServeConfig
+from pipeline.serve.atropos.app import create_app
+from pipeline.serve.atropos.startup import ServeConfig
 from pipeline.transport.keys import Keys
 from schemas.atropos import ATROPOS_KEYS
 from tests.integration.test_serve_atropos import FAST, ThreadedServer

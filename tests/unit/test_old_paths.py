@@ -9,9 +9,11 @@ import sys
 import pytest
 
 import pipeline.ops
+import pipeline.rollout
+import pipeline.serve
 from pipeline.moved import OldPaths
 
-MOVED = sorted(pipeline.ops.MOVED.items())
+MOVED = sorted({**pipeline.ops.MOVED, **pipeline.serve.MOVED, **pipeline.rollout.MOVED}.items())
 
 
 @pytest.mark.parametrize(("old", "new"), MOVED, ids=[old for old, _ in MOVED])
@@ -34,6 +36,32 @@ def test_old_names_give_the_same_objects() -> None:
     assert old_main is main
     assert old_parse_file is parse_file
     assert OldSupervisor is Supervisor
+
+
+def test_old_serve_and_rollout_names_give_the_same_objects() -> None:
+    from pipeline.rollout.student_base import StudentBackend as OldStudentBackend
+    from pipeline.rollout.student_vllm import VLLMStudent as OldVLLMStudent
+    from pipeline.serve.atropos_server import ServeConfig as OldServeConfig
+    from pipeline.serve.student_verifiers import groups_from_traces as old_groups_from_traces
+
+    from pipeline.rollout.students.base import StudentBackend
+    from pipeline.rollout.students.vllm import VLLMStudent
+    from pipeline.serve.atropos.startup import ServeConfig
+    from pipeline.serve.student import groups_from_traces
+
+    assert OldStudentBackend is StudentBackend
+    assert OldVLLMStudent is VLLMStudent
+    assert OldServeConfig is ServeConfig
+    assert old_groups_from_traces is groups_from_traces
+
+
+def test_the_student_package_offers_its_public_converter() -> None:
+    from pipeline.serve import student
+    from pipeline.serve.student import verifiers
+
+    assert student.__all__ and all(getattr(student, name) is getattr(verifiers, name) for name in student.__all__)
+    with pytest.raises(AttributeError):
+        _ = student.no_such_name
 
 
 def test_an_old_package_offers_its_moved_modules() -> None:

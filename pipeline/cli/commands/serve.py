@@ -3,13 +3,13 @@
     distillq serve atropos [--host 127.0.0.1] [--port 8000] [--redis-url URL] [--namespace NS] [--lease-s 600]
     distillq serve student --backend hf --model DIR [--port 8100] [--group-size N]
 
-``atropos``: the Atropos API (``pipeline.serve.atropos_app``): environments POST scored groups, which go
+``atropos``: the Atropos API (``pipeline.serve.atropos.app``): environments POST scored groups, which go
 onto ``rollouts`` for the teacher workers; trainers GET ``/batch`` and receive the scored groups with
 ``distill_token_ids``/``distill_logprobs`` filled. Every server is one ``add_<server>`` function below,
 listed in ``SERVERS``. ``python -m pipeline.cli.main serve SERVER ...`` is the same without the
 console script.
 
-``student``: the verifiers-compatible student endpoint (``pipeline.serve.student_app``): verifiers' train
+``student``: the verifiers-compatible student endpoint (``pipeline.serve.student.app``): verifiers' train
 client generates through it, one tracker per ``X-Session-ID`` records each rollout, and finished rollouts
 of a task are pushed onto ``rollouts`` as a group.
 """
@@ -53,8 +53,8 @@ def run_atropos(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pipeline.cli.commands.common import ensure_reachable, run
-    from pipeline.serve.atropos_app import create_app
-    from pipeline.serve.atropos_server import ServeConfig
+    from pipeline.serve.atropos.app import create_app
+    from pipeline.serve.atropos.startup import ServeConfig
 
     if not (math.isfinite(args.batch_wait_s) and 0 <= args.batch_wait_s <= 60):
         print(f"distillq: --batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
@@ -71,7 +71,7 @@ def run_atropos(args: argparse.Namespace) -> int:
 
 
 def add_student(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from pipeline.serve.student_cli import add_student_arguments, run_student
+    from pipeline.serve.student.command import add_student_arguments, run_student
 
     p = add_command(servers, "student", "a verifiers-compatible student endpoint that records each rollout",
                     "Serves /inference/v1/generate, /v1/chat/completions and /v1/models as verifiers 0.4 calls them; "

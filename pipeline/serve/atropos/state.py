@@ -21,7 +21,7 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
-from pipeline.serve.atropos_models import RegisterEnv, Registration
+from pipeline.serve.atropos.bodies import RegisterEnv, Registration
 from pipeline.transport.keys import Keys
 
 #: Registration fields as the trainer hash holds them (all but ``step``, ``started``, ``registered``).
@@ -80,7 +80,7 @@ class BufferedGroup(msgspec.Struct, frozen=True):
 
 
 class AtroposState:
-    """Reads and writes the server's keys. Callers serialize writers (the shared lock, ``atropos_lock``)."""
+    """Reads and writes the server's keys. Callers serialize writers (the shared lock, ``lock``)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int = 24 * 3600) -> None:
         self.redis, self.keys, self.ttl_s = redis, keys, ttl_s

@@ -1,4 +1,4 @@
-"""The Redis scripts of the Atropos-compatible server's queue (``atropos_queue``): each moves groups onto or
+"""The Redis scripts of the Atropos-compatible server's queue (``queue``): each moves groups onto or
 off the queue and keeps the running counts (``{ns:atropos}:counts``) in the same step, so the counts
 always match the queue."""
 

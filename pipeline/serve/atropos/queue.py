@@ -7,7 +7,7 @@ order is arrival order, and the ``scored`` entry is acknowledged, leaving the pa
 move is idempotent: a script puts the group on the queue only if its ``seen`` marker is new, so a crash
 between the two steps (the entry comes back to this consumer name on restart) queues it once.
 
-**Out.** ``take`` forms one batch (``atropos_packing.pick_batch``), fetches and validates its payloads,
+**Out.** ``take`` forms one batch (``packing.pick_batch``), fetches and validates its payloads,
 and commits it in one script: the queue entries are deleted (all of them, or none if one is gone), the
 step advances, and with a lease the batch is recorded with a deadline. Without a lease the payloads are
 deleted next (at most once, as the reference); with one they stay until ``ack``, and a batch whose lease
@@ -38,9 +38,9 @@ import structlog
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
-from pipeline.serve.atropos_packing import Queued, minimum_sequences, pick_batch
-from pipeline.serve.atropos_scripts import COMMIT, ENQUEUE, RECOUNT, REMOVE
-from pipeline.serve.atropos_state import AtroposState, Trainer, env_field, env_of
+from pipeline.serve.atropos.packing import Queued, minimum_sequences, pick_batch
+from pipeline.serve.atropos.queue_scripts import COMMIT, ENQUEUE, RECOUNT, REMOVE
+from pipeline.serve.atropos.state import AtroposState, Trainer, env_field, env_of
 from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.connection import TRANSIENT, Backoff, is_cluster_client
 from pipeline.transport.consumer import Delivery, dead_letter_category, dead_letter_fields

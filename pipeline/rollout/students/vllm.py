@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from pipeline.rollout.student_base import Completion, StudentBackendError, check_request
+from pipeline.rollout.students.base import Completion, StudentBackendError, check_request
 from pipeline.urls import server_root
 
 TOKEN_ID_PREFIX = "token_id:"

@@ -29,11 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pipeline.metrics import UNATTRIBUTED_SAMPLES
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.openai_types import ChatCompletion, ChatCompletionChunk, Stream
-from pipeline.rollout.student_base import Completion, StudentBackend, StudentBackendError
+from pipeline.rollout.students.base import Completion, StudentBackend, StudentBackendError
 from pipeline.rollout.tracker import Tracker
 from pipeline.rollout.weight_sync import attribute, attribution
-from pipeline.serve.student_requests import MAX_N, RequestError, check_chat, check_stop
-from pipeline.serve.student_sessions import FinishedRollout, GroupAssembler, GroupSpec, SessionStore
+from pipeline.serve.student.sessions import FinishedRollout, GroupAssembler, GroupSpec, SessionStore
+from pipeline.serve.student.validation import MAX_N, RequestError, check_chat, check_stop
 from schemas import DecodeError, RolloutGroup
 
 log = structlog.get_logger(__name__)

@@ -38,8 +38,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.rollout.openai_types import Stream
-from pipeline.serve.atropos_app import _GONE, _read_capped
-from pipeline.serve.student_service import (
+from pipeline.serve.atropos.app import _GONE, _read_capped
+from pipeline.serve.student.service import (
     FinishRequest,
     GenerateRequest,
     ServeError,

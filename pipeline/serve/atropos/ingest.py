@@ -27,9 +27,9 @@ import structlog
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
-from pipeline.serve.atropos_models import ScoredData
-from pipeline.serve.atropos_packing import pick_exact
-from pipeline.serve.atropos_state import AtroposState, BufferedGroup, Trainer, env_field
+from pipeline.serve.atropos.bodies import ScoredData
+from pipeline.serve.atropos.packing import pick_exact
+from pipeline.serve.atropos.state import AtroposState, BufferedGroup, Trainer, env_field
 from pipeline.transport.consumer import dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_ID, F_TYPE, AddResult, StreamProducer

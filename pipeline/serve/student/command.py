@@ -9,7 +9,7 @@ Hook it into a ``serve`` subcommand parser with::
     add_student_arguments(p)
     p.set_defaults(func=run_student)
 
-``python -m pipeline.serve.student_cli ARGS`` runs it without the ``distillq`` entry point. Either way a
+``python -m pipeline.serve.student.command ARGS`` runs it without the ``distillq`` entry point. Either way a
 failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit status docs/cli.md
 gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be reached, 1 when
 the port cannot be bound. ``run_student`` prints it itself (the serve layer does not import the CLI's).
@@ -35,8 +35,8 @@ from pipeline.logs import configure_logging
 
 if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
     from pipeline.config import RedisSettings
-    from pipeline.rollout.student_base import StudentBackend
-    from pipeline.serve.student_service import ServeConfig
+    from pipeline.rollout.students.base import StudentBackend
+    from pipeline.serve.student.service import ServeConfig
 
 log = structlog.get_logger(__name__)
 
@@ -104,7 +104,7 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _hf_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
-    from pipeline.rollout.student_hf import HFStudent
+    from pipeline.rollout.students.hf import HFStudent
 
     student = HFStudent.from_pretrained(args.model)
     if args.tokenizer:
@@ -132,7 +132,7 @@ def _vllm_models(root: str) -> list[dict[str, Any]]:
 def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
     from transformers import AutoTokenizer
 
-    from pipeline.rollout.student_vllm import VLLMStudent
+    from pipeline.rollout.students.vllm import VLLMStudent
     from pipeline.urls import server_root
 
     urls = [server_root(u.strip()) for u in args.url.split(",") if u.strip()]
@@ -159,7 +159,7 @@ def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig
 
 
 def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, vocab: int | None) -> ServeConfig:
-    from pipeline.serve.student_service import ServeConfig
+    from pipeline.serve.student.service import ServeConfig
 
     return ServeConfig(
         served_names=names,
@@ -205,9 +205,9 @@ async def _serve_app(
 ) -> int:
     import uvicorn
 
-    from pipeline.serve.student_app import create_app
-    from pipeline.serve.student_service import StudentService
-    from pipeline.serve.student_sessions import SessionStore
+    from pipeline.serve.student.app import create_app
+    from pipeline.serve.student.service import StudentService
+    from pipeline.serve.student.sessions import SessionStore
     from pipeline.transport.sdk import AsyncGroupProducer
 
     rs = redis_settings_from_args(args)

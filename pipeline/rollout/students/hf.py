@@ -19,7 +19,7 @@ import torch
 
 from pipeline.models.kvcache import output_cache, with_cache
 from pipeline.rollout.stop_strings import StopStringChecker
-from pipeline.rollout.student_base import Completion, check_request
+from pipeline.rollout.students.base import Completion, check_request
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.serve.student_sessions import FinishedRollout, GroupSpec, build_group
+from pipeline.serve.student.sessions import FinishedRollout, GroupSpec, build_group
 from schemas.build import make_sequence
 from schemas.messages import RolloutGroup
 from schemas.messages import Sequence as WireSequence

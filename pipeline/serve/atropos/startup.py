@@ -1,7 +1,7 @@
 """What the Atropos-compatible server's routes share (``Server``), its settings (``ServeConfig``), and
 its startup: Redis connected, the shard count read, the mover (scored -> queue) and heartbeat started.
 
-Replicas: every piece of state is in Redis, and the writers' locks are Redis locks (``atropos_lock``), so
+Replicas: every piece of state is in Redis, and the writers' locks are Redis locks (``lock``), so
 several processes can serve one namespace behind a load balancer. What stays in a process is safe per
 replica: the ``/status`` figures are cached for 0.2 s; each replica heartbeats under its own name
 (``<consumer name>-<host>-<pid>``); the replicas read ``scored`` in one consumer group (under one consumer
@@ -22,11 +22,11 @@ import redis.asyncio as aioredis
 import structlog
 
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.serve.atropos_ingest import Ingest
-from pipeline.serve.atropos_lock import SharedLock
-from pipeline.serve.atropos_packing import scoring_completes_batch
-from pipeline.serve.atropos_queue import STAGE, AtroposQueue
-from pipeline.serve.atropos_state import AtroposState, Trainer
+from pipeline.serve.atropos.ingest import Ingest
+from pipeline.serve.atropos.lock import SharedLock
+from pipeline.serve.atropos.packing import scoring_completes_batch
+from pipeline.serve.atropos.queue import STAGE, AtroposQueue
+from pipeline.serve.atropos.state import AtroposState, Trainer
 from pipeline.stages.runloop import Heartbeat, RunStats
 from pipeline.transport.connection import connect, retry_transient
 from pipeline.transport.keys import Keys

@@ -1,9 +1,9 @@
 """The Atropos-compatible HTTP server (``distillq serve atropos``): FastAPI app, middleware, lifecycle.
 
-The routes (``atropos_routes``) answer as atroposlib 0.4.0's server does, path for path and shape for
-shape; the state lives in Redis (``atropos_state``, ``atropos_queue``), so a restart loses nothing; the
-writers of every process on a namespace are serialized by one lock in Redis (``atropos_lock``), so several
-processes may serve one namespace behind a load balancer (``atropos_server``: replicas). A request body
+The routes (``routes``) answer as atroposlib 0.4.0's server does, path for path and shape for
+shape; the state lives in Redis (``state``, ``queue``), so a restart loses nothing; the
+writers of every process on a namespace are serialized by one lock in Redis (``lock``), so several
+processes may serve one namespace behind a load balancer (``startup``: replicas). A request body
 above ``max_body_bytes`` (as sent or inflated) gets 413. gzip as the reference: request bodies
 with ``Content-Encoding: gzip`` are inflated (400 ``Invalid gzip payload`` if they do not inflate),
 responses of 1,000 bytes or more are compressed when the client accepts gzip (level 1 by default rather
@@ -26,9 +26,9 @@ from fastapi.responses import PlainTextResponse
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipeline.serve.atropos_queue import STAGE
-from pipeline.serve.atropos_routes import install_handlers, router
-from pipeline.serve.atropos_server import ServeConfig, open_server
+from pipeline.serve.atropos.queue import STAGE
+from pipeline.serve.atropos.routes import install_handlers, router
+from pipeline.serve.atropos.startup import ServeConfig, open_server
 
 log = structlog.get_logger("distillq.serve.atropos")
 

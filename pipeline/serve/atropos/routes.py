@@ -18,11 +18,11 @@ import msgspec
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pipeline.serve.atropos_ingest import Prepared
-from pipeline.serve.atropos_models import BatchAck, EnvIdentifier, RegisterEnv, Registration, ScoredData
-from pipeline.serve.atropos_packing import status_env
-from pipeline.serve.atropos_queue import Handout
-from pipeline.serve.atropos_server import Server
+from pipeline.serve.atropos.bodies import BatchAck, EnvIdentifier, RegisterEnv, Registration, ScoredData
+from pipeline.serve.atropos.ingest import Prepared
+from pipeline.serve.atropos.packing import status_env
+from pipeline.serve.atropos.queue import Handout
+from pipeline.serve.atropos.startup import Server
 from pipeline.transport.connection import TRANSIENT
 from pipeline.transport.producer import BackpressureTimeout, MessageTooLarge
 from schemas import DecodeError
