@@ -110,7 +110,7 @@ class Soak:
 
 
 def _spawn(stage: str, url: str, keys: Keys, extra: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pipeline.ops.cli.main", "worker", stage, "--redis-url", url, "--namespace",
+    cmd = [sys.executable, "-m", "pipeline.cli.main", "worker", stage, "--redis-url", url, "--namespace",
            keys.namespace, "--consumer-name", f"{stage}-0", *extra]
     env = {**os.environ, "DISTILLQ_LOG_LEVEL": "WARNING"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

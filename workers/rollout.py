@@ -18,7 +18,7 @@ from pipeline import metrics
 from pipeline.config import redis_settings_from_args
 from pipeline.rollout.rewards import get_reward, reward_names
 from pipeline.rollout.sampler import sample_group
-from pipeline.rollout.student_base import GenParams, StudentBackend
+from pipeline.rollout.students.base import GenParams, StudentBackend
 from pipeline.rollout.sync_engines import ENGINES
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import attribute, attribution
@@ -73,7 +73,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
     if not args.model:
         raise SystemExit("distillq worker rollout: --model is required")
     if args.backend == "hf":
-        from pipeline.rollout.student_hf import HFStudent
+        from pipeline.rollout.students.hf import HFStudent
 
         return HFStudent.from_pretrained(args.model, device=args.device)
     urls = [u.strip() for arg in (args.url or [env("STUDENT_URL") or ""]) for u in arg.split(",") if u.strip()]
@@ -81,7 +81,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
         raise SystemExit("distillq worker rollout: --url is required for the vllm backend")
     from transformers import AutoTokenizer
 
-    from pipeline.rollout.student_vllm import VLLMStudent
+    from pipeline.rollout.students.vllm import VLLMStudent
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     try:

@@ -50,7 +50,7 @@ from pipeline.rollout.openai_types import (
     chat_chunks,
     text_chunks,
 )
-from pipeline.rollout.student_base import Completion, StudentBackend
+from pipeline.rollout.students.base import Completion, StudentBackend
 from pipeline.rollout.tracker import Tracker
 
 log = structlog.get_logger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.rewards import RewardFn, no_reward, score
-from pipeline.rollout.student_base import GenParams, StudentBackend
+from pipeline.rollout.students.base import GenParams, StudentBackend
 from pipeline.rollout.tracker import Tracker
 from schemas.messages import RolloutGroup
 from schemas.messages import Sequence as WireSequence

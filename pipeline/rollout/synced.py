@@ -34,8 +34,8 @@ from pipeline.models.weights import (
     published_versions,
     read_config,
 )
-from pipeline.rollout.student_base import Completion, StudentBackendError
-from pipeline.rollout.student_vllm import VLLMStudent
+from pipeline.rollout.students.base import Completion, StudentBackendError
+from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import Engine, EngineError, reference_of
 from pipeline.rollout.weight_sync import ServerState, needs_sync, record, request_version
 

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from pipeline.rollout.student_base import Completion
+from pipeline.rollout.students.base import Completion
 from schemas.build import make_sequence
 from schemas.messages import Sequence as WireSequence
 

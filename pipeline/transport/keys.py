@@ -53,7 +53,7 @@ key                                                type          written by / me
 ``{ns:atropos}:dlq_cursor``                        string        ``serve atropos``: the last dead letter read for
                                                                  groups lost in flight
 ``{ns:atropos}:lock``                              string (TTL)  ``serve atropos``: the writers' lock, shared by
-                                                                 every replica (``atropos_lock``)
+                                                                 every replica (``pipeline.serve.atropos.lock``)
 ``{ns:atropos}:buffers_lock``                      string (TTL)  ``serve atropos``: the lock of the per-env buffers
 =================================================  ============  ==============================================
 

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from pipeline.config import RedisSettings
-from pipeline.serve.atropos_app import create_app
-from pipeline.serve.atropos_packing import scoring_completes_batch
-from pipeline.serve.atropos_server import ServeConfig
+from pipeline.serve.atropos.app import create_app
+from pipeline.serve.atropos.packing import scoring_completes_batch
+from pipeline.serve.atropos.startup import ServeConfig
 from pipeline.transport.keys import Keys
 from tests.integration.test_serve_atropos import ENV, FAST, REGISTRATION, TeacherThread, ThreadedServer, group, http
 
@@ -79,7 +79,7 @@ def test_scoring_completes_batch_counts_queued_and_in_flight_sequences() -> None
 
 
 def test_the_flag_and_its_variable() -> None:
-    cmd = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--batch-wait-s", "-1"]
+    cmd = [sys.executable, "-m", "pipeline.cli.main", "serve", "atropos", "--batch-wait-s", "-1"]
     bad = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "distillq: --batch-wait-s must be a number of seconds from 0 to 60, got -1.0"]

@@ -23,8 +23,8 @@ import pytest
 
 from pipeline.config import RedisSettings
 from pipeline.models.tinymodels import TinyModels, ensure_tiny_models, load_causal_lm
-from pipeline.serve.atropos_app import create_app
-from pipeline.serve.atropos_server import ServeConfig
+from pipeline.serve.atropos.app import create_app
+from pipeline.serve.atropos.startup import ServeConfig
 from pipeline.transport.keys import Keys
 from schemas.atropos import ATROPOS_KEYS
 from tests.integration.test_serve_atropos import FAST, ThreadedServer
@@ -46,7 +46,7 @@ class TeacherProc:
     """``distillq worker teacher --backend hf`` with the tiny teacher, as a process ended by its pid."""
 
     def __init__(self, redis_url: str, namespace: str, tiny: TinyModels, log: Path) -> None:
-        self.argv = [sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend", "hf", "--model",
+        self.argv = [sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend", "hf", "--model",
                      str(tiny.teacher), "--student-tokenizer", str(tiny.tokenizer), "--top-k", str(K),
                      "--redis-url", redis_url, "--namespace", namespace]
         self.log = log

@@ -92,7 +92,7 @@ class Replica:
 
     def __init__(self, redis_url: str, namespace: str, log: Path) -> None:
         self.log, self.port = log, 0
-        self.argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--redis-url", redis_url,
+        self.argv = [sys.executable, "-m", "pipeline.cli.main", "serve", "atropos", "--redis-url", redis_url,
                      "--namespace", namespace, "--lease-s", "3"]
         self.proc: subprocess.Popen[bytes] | None = None
 

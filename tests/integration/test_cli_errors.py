@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 import structlog
 from rich.console import Console
 
-from pipeline.ops.cli.common import make_console
-from pipeline.ops.cli.main import main
+from pipeline.cli.commands.common import make_console
+from pipeline.cli.main import main
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from schemas.atropos import to_atropos
@@ -51,7 +51,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 def distillq(*argv: str, env: dict[str, str] | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     """``distillq ARGV`` as a process, its output captured (a pipe, not a terminal), no COLUMNS."""
     base = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "DISTILLQ_REDIS_URL")}
-    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", *argv], env={**base, **(env or {})},
+    return subprocess.run([sys.executable, "-m", "pipeline.cli.main", *argv], env={**base, **(env or {})},
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
 
 
@@ -220,7 +220,7 @@ def test_long_error_lines_are_not_wrapped_when_stderr_is_not_a_terminal(tmp_path
 
 
 def test_demo_report_console_is_full_width_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.ops.demo import DemoResult, report
+    from pipeline.cli.demo import DemoResult, report
 
     notes = {f"reason_{i}_with_a_long_name": i for i in range(8)}
     result = DemoResult(history=[{"step": 0.0, "heldout_reverse_kl": 2.0}, {"step": 1.0, "heldout_reverse_kl": 0.5}],
@@ -277,7 +277,7 @@ def test_model_loading_progress_bars_stay_out_of_worker_output(keys: Keys, redis
                           timeout=120, cwd=ROOT, check=False)
     assert bare.returncode == 0 and "Loading weights" in bare.stderr, bare.stderr[-2000:]
 
-    p = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend", "hf",
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend", "hf",
                         "--model", teacher, "--burst", "--redis-url", redis_url, "--namespace", keys.namespace],
                        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -305,6 +305,6 @@ def test_python_m_workers_standalone_help() -> None:
 def test_bad_worker_settings_from_flags_or_the_environment_are_usage_errors(
     env: dict[str, str], argv: list[str], said: str
 ) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli.main", *argv], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **env}, check=False)
     assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

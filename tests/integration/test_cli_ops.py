@@ -15,9 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 import structlog
 
+from pipeline.cli.main import main
+from pipeline.cli.streamstats import collect, with_rates
 from pipeline.models.tinymodels import ensure_tiny_models
-from pipeline.ops.cli.main import main
-from pipeline.ops.streamstats import collect, with_rates
 from pipeline.transport.consumer import StreamConsumer
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer

@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline.cli.demo import DemoConfig, enqueue, process_specs, worker_env
+from pipeline.cli.supervisor import Supervisor
 from pipeline.models.weights import LATEST, folder_name
-from pipeline.ops.demo import DemoConfig, enqueue, process_specs, worker_env
-from pipeline.ops.supervisor import Supervisor
 from pipeline.transport.keys import Keys
 from tests.kill_proxy import KillOnPauseProxy
 from tests.redis_server import free_port

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ResponseError
 
+from pipeline.cli.main import main
 from pipeline.config import RedisSettings, StreamSettings
 from pipeline.learner.client import AsyncLearner
-from pipeline.ops.cli.main import main
 from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
 from pipeline.stages.kl_control import ConstantKL
@@ -53,7 +53,7 @@ def teacher_proc(url: str, ns: str, name: str, latency: float = 0.0) -> subproce
     env = {**os.environ, "DISTILLQ_CLAIM_IDLE_MS": "1000", "DISTILLQ_CLAIM_INTERVAL_MS": "200",
            "DISTILLQ_BLOCK_MS": "100", "DISTILLQ_LOG_JSON": "1"}
     with (LOGS / f"{ns}-{name}.log").open("ab") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend",
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend",
                                  "synthetic", "--synthetic-latency", str(latency), "--top-k", "4", "--read-count", "4",
                                  "--redis-url", url, "--namespace", ns, "--consumer-name", name],
                                 env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
@@ -222,7 +222,7 @@ def demo_on_cluster(url: str, out: Path, *extra: str, jobs_url: str | None = Non
     base = {k: v for k, v in os.environ.items() if k not in ("DISTILLQ_REDIS_URL", "DISTILLQ_JOBS_REDIS_URL")}
     if jobs_url is not None:
         base["DISTILLQ_JOBS_REDIS_URL"] = jobs_url
-    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--redis-url", url, "--namespace",
+    return subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--redis-url", url, "--namespace",
                            "democluster", "--out", str(out), *extra], env={**base, **env}, capture_output=True,
                           text=True, timeout=400, check=False)
 
@@ -267,7 +267,7 @@ def test_demo_on_the_cluster_says_what_to_set(cluster: LocalCluster, tmp_path: P
         assert proc.stderr.strip().splitlines()[-1] == line
         assert "Traceback" not in proc.stderr
     base = {k: v for k, v in os.environ.items() if k != "DISTILLQ_JOBS_REDIS_URL"}
-    worker = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "worker", "rollout", "--redis-url",
+    worker = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "worker", "rollout", "--redis-url",
                              cluster.url, "--backend", "hf", "--model", str(tmp_path / "no-model")], env=base,
                             capture_output=True, text=True, timeout=60, check=False)
     assert worker.returncode == 1

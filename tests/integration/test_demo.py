@@ -16,7 +16,7 @@ STEPS = 120
 
 
 def demo(out: Path, *extra: str) -> tuple[dict[str, Any], str]:
-    proc = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--out", str(out), *extra],
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "report.json").read_text()), proc.stderr
@@ -66,7 +66,7 @@ def test_demo_twice_in_one_folder_then_resumed(tmp_path: Path) -> None:
 
 
 def test_resume_without_an_earlier_run_says_so(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--resume", "--out",
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--resume", "--out",
                            str(tmp_path / "none")], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cli.demo import clear_namespace, live_workers
 from pipeline.config import RedisSettings
-from pipeline.ops.demo import clear_namespace, live_workers
 from pipeline.transport.connection import connect
 from pipeline.transport.jobs import PromptJob, enqueue_prompts
 from pipeline.transport.keys import Keys
@@ -74,7 +74,7 @@ def test_a_namespace_with_live_workers_is_refused(redis_url: str, keys: Keys, tm
 
     asyncio.run(beat())
     assert asyncio.run(live_workers(RedisSettings(redis_url=redis_url), keys)) == 1
-    proc = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--redis-url", redis_url,
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--redis-url", redis_url,
                            "--namespace", keys.namespace, "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 1

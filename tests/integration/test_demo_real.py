@@ -35,9 +35,9 @@ if not _wheel_installed() and os.environ.get("CI") != "true":
 
 @pytest.mark.timeout(900)
 def test_real_pair_distills_on_the_pipeline(tmp_path: Path, redis_url: str) -> None:
+    from pipeline.cli.demo import report
+    from pipeline.cli.demo_real import RealDemoConfig, enqueue, final_eval, run_pipeline, task_figures, throughput
     from pipeline.models.realpair import ensure_real_pair
-    from pipeline.ops.demo import report
-    from pipeline.ops.demo_real import RealDemoConfig, enqueue, final_eval, run_pipeline, task_figures, throughput
     from pipeline.teacher.vocab import check_same_vocab
 
     pair = ensure_real_pair()

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def distillq(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline.cli.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=850, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

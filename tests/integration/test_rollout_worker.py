@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
+from pipeline.cli.main import build_parser, main
 from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
-from pipeline.ops.cli.main import build_parser, main
 from pipeline.transport.keys import Keys
 from schemas import RolloutGroup, decode
 from workers import rollout

@@ -28,9 +28,9 @@ import redis
 import uvicorn
 
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.serve.atropos_app import create_app
-from pipeline.serve.atropos_packing import Queued, pick_batch, pick_exact
-from pipeline.serve.atropos_server import ServeConfig
+from pipeline.serve.atropos.app import create_app
+from pipeline.serve.atropos.packing import Queued, pick_batch, pick_exact
+from pipeline.serve.atropos.startup import ServeConfig
 from pipeline.stages.runloop import StageRunner
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.stages.teacher_stage import TeacherStage
@@ -503,7 +503,7 @@ def test_state_survives_a_server_restart(redis_url: str, keys: Keys, tmp_path: P
     started again (through its CLI) carries on."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--port", str(port),
+    argv = [sys.executable, "-m", "pipeline.cli.main", "serve", "atropos", "--port", str(port),
             "--redis-url", redis_url, "--namespace", keys.namespace, "--lease-s", "1"]
     env = {**os.environ, "DISTILLQ_BLOCK_MS": "100"}
 
@@ -581,7 +581,7 @@ async def test_in_flight_records_leave_when_a_dead_letter_names_the_group_or_aft
     """A group dead-lettered between ``rollouts`` and the queue would count in ``/status`` forever: its record
     goes when a dead letter names it (read once), or after the dedupe TTL; a group that is merely slow stays,
     whatever the streams hold, and its env marker with it."""
-    from pipeline.serve.atropos_state import AtroposState
+    from pipeline.serve.atropos.state import AtroposState
 
     state = AtroposState(r, keys, ttl_s=3600)
     await r.xadd(keys.dlq, {"stage": "teacher", "reason": "decode_error: x", "orig_gid": "lost"})  # before its post
@@ -619,7 +619,7 @@ def test_the_env_id_travels_with_the_group_not_the_in_flight_record(stack: Stack
 
 def test_queue_counts_follow_the_queue(stack: Stack) -> None:
     """``/status`` and ``/status-env`` read running counts (``env|sequences`` -> groups), not the queue."""
-    from pipeline.serve.atropos_scripts import RECOUNT
+    from pipeline.serve.atropos.queue_scripts import RECOUNT
 
     stack.start_trainer(batch_size=2)
     for i in range(3):
@@ -705,7 +705,7 @@ def test_inflate_never_runs_past_the_cap() -> None:
     """A first gzip member of exactly cap + 1 bytes used to leave the next member no output limit at all."""
     import tracemalloc
 
-    from pipeline.serve.atropos_app import _inflate
+    from pipeline.serve.atropos.app import _inflate
 
     cap = 1 << 20
     bomb = gzip.compress(b"a" * (cap + 1), 1) + gzip.compress(bytes(64 << 20), 9)
@@ -742,7 +742,7 @@ def test_request_bodies_above_the_cap_get_413_and_the_server_keeps_serving(redis
 
 
 async def test_a_reset_waits_for_posts_under_way_and_holds_new_ones() -> None:
-    from pipeline.serve.atropos_server import PostGate
+    from pipeline.serve.atropos.startup import PostGate
 
     gate, events, release = PostGate(), [], asyncio.Event()
 
@@ -770,7 +770,7 @@ async def test_a_reset_waits_for_posts_under_way_and_holds_new_ones() -> None:
 
 
 def test_unreachable_redis_at_startup_is_one_line_and_exit_3() -> None:
-    argv = [sys.executable, "-m", "pipeline.ops.cli.main", "serve", "atropos", "--port", str(free_port()),
+    argv = [sys.executable, "-m", "pipeline.cli.main", "serve", "atropos", "--port", str(free_port()),
             "--redis-url", "redis://127.0.0.1:1/0"]
     t0 = time.monotonic()
     res = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)

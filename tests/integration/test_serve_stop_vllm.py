@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.rollout.stop_strings import StopStringChecker
-from pipeline.rollout.student_hf import HFStudent
-from pipeline.rollout.student_vllm import VLLMStudent
+from pipeline.rollout.students.hf import HFStudent
+from pipeline.rollout.students.vllm import VLLMStudent
 from tests.integration.test_serve_student import _never, generate_body, http, make_service, prompt_ids
 from tests.integration.test_serve_student_requests import reference_cut, stop_strings_in
 from tests.vllm_server import START_TIMEOUT_S, needs_vllm, vllm_server

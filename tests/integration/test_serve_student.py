@@ -28,11 +28,11 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
-from pipeline.rollout.student_hf import HFStudent
-from pipeline.serve.student_app import create_app
-from pipeline.serve.student_cli import add_student_arguments, run_student
-from pipeline.serve.student_service import ServeConfig, StudentService
-from pipeline.serve.student_sessions import GroupAssembler, SessionStore
+from pipeline.rollout.students.hf import HFStudent
+from pipeline.serve.student.app import create_app
+from pipeline.serve.student.command import add_student_arguments, run_student
+from pipeline.serve.student.service import ServeConfig, StudentService
+from pipeline.serve.student.sessions import GroupAssembler, SessionStore
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA
 from pipeline.transport.sdk import AsyncGroupProducer
@@ -51,13 +51,13 @@ async def read_groups(r: aioredis.Redis, keys: Keys) -> list[RolloutGroup]:
 
 
 class StudentProcess:
-    """``python -m pipeline.serve.student_cli`` on a free port of 127.0.0.1, stopped by its pid."""
+    """``python -m pipeline.serve.student.command`` on a free port of 127.0.0.1, stopped by its pid."""
 
     def __init__(self, redis_url: str, namespace: str, workdir: Path, *extra: str) -> None:
         self.port_file = workdir / "port"
         self.log = workdir / "student.log"
         self.args = [
-            sys.executable, "-m", "pipeline.serve.student_cli", "--backend", "hf",
+            sys.executable, "-m", "pipeline.serve.student.command", "--backend", "hf",
             "--model", str(ensure_tiny_models().student), "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", "0", "--port-file", str(self.port_file),
             "--redis-url", redis_url, "--namespace", namespace, *extra,
@@ -452,7 +452,7 @@ async def test_chat_completions_stream_with_usage_and_are_tracked(
 async def test_a_vllm_backend_is_served_with_float32_logprobs(hf_student: HFStudent) -> None:
     """The vLLM student client behind the server: its float64 logprobs reach the client and the tracker as
     the same float32 values."""
-    from pipeline.rollout.student_vllm import VLLMStudent
+    from pipeline.rollout.students.vllm import VLLMStudent
 
     seen: list[dict[str, Any]] = []
 
@@ -492,7 +492,7 @@ async def test_an_api_key_is_required_when_configured(
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("pipeline.serve.student_app.hmac.compare_digest", compare_digest)
+    monkeypatch.setattr("pipeline.serve.student.app.hmac.compare_digest", compare_digest)
     async with http(make_service(hf_student, _never), api_key="sk-1") as c:
         missing = await c.get("/v1/models")
         wrong = await c.get("/v1/models", headers={"Authorization": "Bearer sk-2"})
@@ -533,7 +533,7 @@ def test_cli_configuration_errors_are_one_line_and_exit_2(
     argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Checked before a model loads or Redis is contacted (the redis URL here is never reachable)."""
-    from pipeline.ops.cli.main import main as distillq
+    from pipeline.cli.main import main as distillq
 
     url = [] if "--redis-url" in argv else ["--redis-url", "redis://127.0.0.1:9/0"]
     assert run_student(student_args(*argv, *url)) == 2
@@ -563,8 +563,8 @@ def test_cli_backend_errors_exit_2_and_an_unreachable_redis_exits_3(
 async def test_the_vllm_client_is_closed_when_the_server_stops(
     hf_student: HFStudent, redis_url: str, keys: Keys
 ) -> None:
-    from pipeline.rollout.student_vllm import VLLMStudent
-    from pipeline.serve.student_cli import _serve
+    from pipeline.rollout.students.vllm import VLLMStudent
+    from pipeline.serve.student.command import _serve
 
     failing = httpx.MockTransport(lambda _: httpx.Response(500))
     backend = VLLMStudent("http://vllm:8000", "student", hf_student.tokenizer, transport=failing)
@@ -605,7 +605,7 @@ def node(parent: int | None, ids: list[int], mask: list[bool], lps: list[float],
 
 
 def test_trace_records_become_groups_by_task_with_verifiers_branch_rules() -> None:
-    from pipeline.serve.student_verifiers import finish_body, groups_from_traces
+    from pipeline.serve.student.verifiers import finish_body, groups_from_traces
 
     f, t = False, True
     nodes = [
@@ -638,8 +638,8 @@ def test_trace_records_become_groups_by_task_with_verifiers_branch_rules() -> No
 def test_trace_groups_are_the_groups_the_server_builds() -> None:
     """Same group id and metadata as the server's ``build_group`` for the same rollouts; a remainder smaller
     than the group size is a partial group, as the server flushes it."""
-    from pipeline.serve.student_sessions import FinishedRollout, GroupSpec, build_group, group_id_for
-    from pipeline.serve.student_verifiers import groups_from_traces, trace_sequences
+    from pipeline.serve.student.sessions import FinishedRollout, GroupSpec, build_group, group_id_for
+    from pipeline.serve.student.verifiers import groups_from_traces, trace_sequences
 
     nodes = [node(None, [1, 3, 40], [False] * 3, []), node(0, [4, 10, 11], [False, True, True], [-0.1, -0.2])]
     traces = [record(tid, "k", nodes) for tid in ("b", "a", "c")]

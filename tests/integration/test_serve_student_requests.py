@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from pipeline.rollout.student_hf import HFStudent
-from pipeline.serve.student_requests import MAX_N
+from pipeline.rollout.students.hf import HFStudent
+from pipeline.serve.student.validation import MAX_N
 from tests.integration.test_serve_student import (
     MODEL,
     StudentProcess,

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.openai_facade import TrackedClient
-from pipeline.rollout.student_vllm import VLLMStudent
+from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA
 from schemas import RolloutGroup, decode
@@ -112,9 +112,9 @@ async def test_facade_multi_turn_over_vllm_matches_hf(student: VLLMStudent, refe
 
 
 def _serve_student(server: str, redis_url: str, ns: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    """``python -m pipeline.serve.student_cli --backend vllm`` on a free port; (process, base URL, log)."""
+    """``python -m pipeline.serve.student.command --backend vllm`` on a free port; (process, base URL, log)."""
     port_file, log = tmp / "port", tmp / "student.log"
-    args = [sys.executable, "-m", "pipeline.serve.student_cli", "--backend", "vllm", "--url", f"{server}/v1",
+    args = [sys.executable, "-m", "pipeline.serve.student.command", "--backend", "vllm", "--url", f"{server}/v1",
             "--vllm-model", NAME, "--tokenizer", str(ensure_tiny_models().student), "--host", "127.0.0.1",
             "--port", "0", "--port-file", str(port_file), "--redis-url", redis_url, "--namespace", ns]
     with log.open("wb") as out:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import redis
 
+from pipeline.cli.main import main
 from pipeline.models.tinymodels import TinyModels, ensure_tiny_models, load_causal_lm
-from pipeline.ops.cli.main import main
 from pipeline.transport.keys import Keys
 from schemas import DistillStatus, ScoredGroup, decode
 

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models
-from pipeline.serve.student_verifiers import finish_body, groups_from_traces
+from pipeline.serve.student.verifiers import finish_body, groups_from_traces
 from pipeline.transport.keys import Keys
 from schemas import RolloutGroup
 from tests.integration.test_serve_student import MODEL, StudentProcess, read_groups

@@ -26,7 +26,7 @@ from pipeline import metrics
 from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.models.weights import LATEST, MARKER, folder_name
-from pipeline.rollout.student_vllm import VLLMStudent
+from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import attribute, attribution

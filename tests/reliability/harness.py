@@ -1,6 +1,6 @@
 """Shared machinery of the reliability tests: worker processes, a recording learner, figures.
 
-Workers run as real processes (``python -m pipeline.ops.cli.main worker ...``) so faults are real: SIGKILL,
+Workers run as real processes (``python -m pipeline.cli.main worker ...``) so faults are real: SIGKILL,
 lost connections, a Redis that goes away. Every process is started here and ended by its own pid.
 """
 
@@ -109,7 +109,7 @@ class WorkerProc:
 
 
 def worker_argv(stage: str, redis_url: str, namespace: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.ops.cli.main", "worker", stage, "--redis-url", redis_url,
+    return [sys.executable, "-m", "pipeline.cli.main", "worker", stage, "--redis-url", redis_url,
             "--namespace", namespace, *extra]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.ops.cli.main import main as cli
+from pipeline.cli.main import main as cli
 from pipeline.transport.keys import Keys
 from schemas import DecodeError, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.ops.supervisor import ProcSpec, Supervisor
+from pipeline.cli.supervisor import ProcSpec, Supervisor
 from pipeline.stages.scoring import Scorer
 from pipeline.teacher.synthetic import SyntheticTeacher
 from pipeline.transport.consumer import StreamConsumer
@@ -50,7 +50,7 @@ def dq(url: str, ns: str, *argv: str, env: dict[str, str] | None = None,
        timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``distillq ARGV --redis-url URL --namespace NS`` as an operator runs it: a process, output in a pipe."""
     base = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES") and not k.startswith("DISTILLQ_")}
-    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", *argv, "--redis-url", url,
+    return subprocess.run([sys.executable, "-m", "pipeline.cli.main", *argv, "--redis-url", url,
                            "--namespace", ns], env={**base, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, check=False)
 

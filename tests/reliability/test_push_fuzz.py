@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.ops.cli.main import main as cli
-from pipeline.ops.cli.push import parse_file
+from pipeline.cli.commands.push import parse_file
+from pipeline.cli.main import main as cli
 from pipeline.transport.keys import Keys
 from schemas.atropos import to_atropos
 from schemas.build import synthetic_rollout, synthetic_scored

@@ -39,7 +39,7 @@ SPECIAL = "p@ss:w/rd#1 %x?&=" + os.urandom(4).hex()  # needs percent-encoding in
 def cli(args: list[str], url: str | None, namespace: str, *, env: dict[str, str] | None = None,
         timeout: float = 60.0) -> tuple[int, str]:
     """``distillq ARGS`` as a process (URL by flag, or by ``DISTILLQ_REDIS_URL`` when ``url`` is None)."""
-    argv = [sys.executable, "-m", "pipeline.ops.cli.main", *args, "--namespace", namespace]
+    argv = [sys.executable, "-m", "pipeline.cli.main", *args, "--namespace", namespace]
     if url is not None:
         argv += ["--redis-url", url]
     p = subprocess.run(argv, env={**os.environ, **FAST_ENV, **(env or {})}, capture_output=True, text=True,
@@ -107,7 +107,7 @@ def test_authenticated_urls_work_and_passwords_never_reach_output(how: str, tmp_
     finally:
         server.stop()
     # Redis gone: a worker retrying its connection logs errors, never the URL's password.
-    worker = subprocess.Popen([sys.executable, "-m", "pipeline.ops.cli.main", "worker", "feeder", "--namespace", ns,
+    worker = subprocess.Popen([sys.executable, "-m", "pipeline.cli.main", "worker", "feeder", "--namespace", ns,
                                "--redis-url", url], env={**os.environ, **FAST_ENV}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(3.0)
@@ -218,7 +218,7 @@ def reachable(host: str, port: int) -> bool:
 
 
 def start_with_metrics(url: str, ns: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "pipeline.ops.cli.main", "worker", "teacher", "--backend", "synthetic",
+    argv = [sys.executable, "-m", "pipeline.cli.main", "worker", "teacher", "--backend", "synthetic",
             "--redis-url", url, "--namespace", ns, "--metrics-port", str(port), *extra]
     proc = subprocess.Popen(argv, env={**os.environ, **FAST_ENV}, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.ops.cli.main import build_parser, main
+from pipeline.cli.main import build_parser, main
 
 #: Actions that take no value: their "default" is just "off".
 FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,

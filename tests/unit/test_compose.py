@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.ops.cli.main import build_parser
+from pipeline.cli.main import build_parser
 from tests.redis_server import free_port, redis_binary
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from pipeline.ops.demo import DemoResult, change, report
+from pipeline.cli.demo import DemoResult, change, report
 
 
 @pytest.mark.parametrize(("start", "end", "words"), [

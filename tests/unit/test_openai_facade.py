@@ -17,8 +17,8 @@ from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.sampler import sample_group
-from pipeline.rollout.student_base import Completion, GenParams
-from pipeline.rollout.student_hf import HFStudent
+from pipeline.rollout.students.base import Completion, GenParams
+from pipeline.rollout.students.hf import HFStudent
 from pipeline.rollout.tracker import Tracker
 from schemas.validate import Limits, validate_rollout, validate_sequence
 

@@ -75,8 +75,8 @@ def test_weight_sync_keeps_tied_embeddings(tmp_path: Path) -> None:
 
 
 def test_report_figures_from_the_learner_records() -> None:
-    from pipeline.ops.demo import DemoResult
-    from pipeline.ops.demo_real import task_figures, throughput
+    from pipeline.cli.demo import DemoResult
+    from pipeline.cli.demo_real import task_figures, throughput
 
     history = [
         {"step": 0.0, "heldout_reverse_kl": 7.0, "heldout_task_accuracy": 0.0, "teacher_task_accuracy": 0.6},

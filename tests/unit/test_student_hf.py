@@ -11,8 +11,8 @@ import torch
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.sampler import sample_group
-from pipeline.rollout.student_base import Completion, GenParams
-from pipeline.rollout.student_hf import HFStudent, sample_next
+from pipeline.rollout.students.base import Completion, GenParams
+from pipeline.rollout.students.hf import HFStudent, sample_next
 from pipeline.rollout.tracker import Tracker
 from schemas.codec import decode, encode
 from schemas.messages import RolloutGroup

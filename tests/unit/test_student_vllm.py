@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.rollout.openai_facade import TrackedClient
-from pipeline.rollout.student_base import StudentBackendError
-from pipeline.rollout.student_vllm import VLLMStudent, default_timeout, parse_choice
+from pipeline.rollout.students.base import StudentBackendError
+from pipeline.rollout.students.vllm import VLLMStudent, default_timeout, parse_choice
 
 PROMPT = [3, 310, 16, 24, 34, 4]
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from pipeline.rollout.student_base import Completion
+from pipeline.rollout.students.base import Completion
 from pipeline.rollout.tracker import Tracker, common_prefix_len
 from schemas.validate import Limits, validate_sequence
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pipeline.urls
-from pipeline.rollout.student_vllm import VLLMStudent
+from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.teacher.base import ScoreRequest, ScoreResult, TeacherConfigError
 from pipeline.teacher.sglang_http import SGLangTeacher
 from pipeline.teacher.vllm_http import HTTPTeacherConfig, VLLMTeacher

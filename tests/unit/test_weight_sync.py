@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from pipeline import metrics
 from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
-from pipeline.rollout.student_base import StudentBackendError
-from pipeline.rollout.student_vllm import VLLMStudent
+from pipeline.rollout.students.base import StudentBackendError
+from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import SGLangEngine, VLLMEngine, VLLMLoraEngine
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import (
@@ -247,7 +247,7 @@ async def test_serve_student_tags_each_group_with_its_servers_version(
 ) -> None:
     """``serve student --weights-dir``: a rollout's requests all ran on one version -> its group carries it;
     a rollout whose requests straddle a reload is dropped and counted; groups never mix versions."""
-    from pipeline.serve.student_service import FinishRequest, GenerateRequest, ServeConfig, StudentService
+    from pipeline.serve.student.service import FinishRequest, GenerateRequest, ServeConfig, StudentService
 
     student = synced([stubs[0].url], weights)
     await student.start()
@@ -291,6 +291,6 @@ def test_demo_with_a_vllm_student_needs_the_venv() -> None:
     import sys
 
     env = {**os.environ, "DISTILLQ_VLLM_PYTHON": "/nonexistent/python"}
-    p = subprocess.run([sys.executable, "-m", "pipeline.ops.cli.main", "demo", "--student", "vllm"], env=env,
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--student", "vllm"], env=env,
                        capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and ".venv-vllm" in p.stderr, p.stderr

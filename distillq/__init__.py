@@ -1,0 +1,145 @@
+"""distillq's public API in one import: the learner client, ``to_torch``, the losses, the producer SDK, the
+verifiers converter, weight publishing and the wire messages.
+
+Every name is the object of its home module, re-exported as it is (same object, same signature):
+
+=============================================  ======================================================
+``Learner``, ``AsyncLearner``, ``LearnerBatch``  ``pipeline.learner.client`` (``batch``)
+``to_torch``, ``TorchBatch``                     ``pipeline.learner.torch_batch``
+the losses                                       ``pipeline.learner.losses``
+``gather_logprobs``, ``chunked_*``               ``pipeline.learner.chunked`` (``chunked_topk_forward_kl``
+                                                 is ``chunked.topk_forward_kl``: the same losses from hidden
+                                                 states and the lm_head)
+``publish_weights``                              ``pipeline.learner.publish``
+``GroupProducer``, ``AsyncGroupProducer``        ``pipeline.transport.sdk``
+``groups_from_traces``                           ``pipeline.serve.student`` (verifiers' records as groups)
+the wire messages, ``encode``, ``decode``        ``schemas``
+=============================================  ======================================================
+
+Torch is needed only by ``to_torch``, ``TorchBatch`` and the losses: they load on first use, so
+``import distillq`` works without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pipeline.learner.batch import LearnerBatch
+from pipeline.learner.client import AsyncLearner, Learner
+from pipeline.learner.publish import publish_weights
+from pipeline.serve.student.verifiers import groups_from_traces
+from pipeline.transport.sdk import AsyncGroupProducer, GroupProducer
+from schemas import (
+    BatchManifest,
+    DecodeError,
+    DistillStatus,
+    GroupHeader,
+    GroupRef,
+    Limits,
+    Message,
+    RolloutGroup,
+    ScoredGroup,
+    Sequence,
+    TeacherPayload,
+    TrainBatch,
+    decode,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from pipeline.learner.chunked import gather_logprobs
+    from pipeline.learner.chunked import generalized_jsd as chunked_generalized_jsd
+    from pipeline.learner.chunked import importance_sampled_pg_loss as chunked_importance_sampled_pg_loss
+    from pipeline.learner.chunked import token_logprobs as chunked_token_logprobs
+    from pipeline.learner.chunked import topk_forward_kl as chunked_topk_forward_kl
+    from pipeline.learner.losses import (
+        full_vocab_kl,
+        generalized_jsd,
+        generalized_jsd_from_logprobs,
+        importance_sampled_pg_loss,
+        reduce_masked,
+        reverse_kl_advantages,
+        sampled_reverse_kl,
+        token_logprobs,
+        topk_forward_kl,
+        topk_forward_kl_from_logprobs,
+    )
+    from pipeline.learner.torch_batch import TorchBatch, to_torch
+
+#: The names that need torch: name -> (module, attribute), imported on first use.
+_TORCH: dict[str, tuple[str, str]] = {
+    "TorchBatch": ("pipeline.learner.torch_batch", "TorchBatch"),
+    "to_torch": ("pipeline.learner.torch_batch", "to_torch"),
+    **{name: ("pipeline.learner.losses", name) for name in (
+        "full_vocab_kl",
+        "generalized_jsd",
+        "generalized_jsd_from_logprobs",
+        "importance_sampled_pg_loss",
+        "reduce_masked",
+        "reverse_kl_advantages",
+        "sampled_reverse_kl",
+        "token_logprobs",
+        "topk_forward_kl",
+        "topk_forward_kl_from_logprobs",
+    )},
+    "gather_logprobs": ("pipeline.learner.chunked", "gather_logprobs"),
+    "chunked_generalized_jsd": ("pipeline.learner.chunked", "generalized_jsd"),
+    "chunked_importance_sampled_pg_loss": ("pipeline.learner.chunked", "importance_sampled_pg_loss"),
+    "chunked_token_logprobs": ("pipeline.learner.chunked", "token_logprobs"),
+    "chunked_topk_forward_kl": ("pipeline.learner.chunked", "topk_forward_kl"),
+}
+
+__all__ = [
+    "AsyncGroupProducer",
+    "AsyncLearner",
+    "BatchManifest",
+    "DecodeError",
+    "DistillStatus",
+    "GroupHeader",
+    "GroupProducer",
+    "GroupRef",
+    "Learner",
+    "LearnerBatch",
+    "Limits",
+    "Message",
+    "RolloutGroup",
+    "ScoredGroup",
+    "Sequence",
+    "TeacherPayload",
+    "TorchBatch",
+    "TrainBatch",
+    "chunked_generalized_jsd",
+    "chunked_importance_sampled_pg_loss",
+    "chunked_token_logprobs",
+    "chunked_topk_forward_kl",
+    "decode",
+    "encode",
+    "full_vocab_kl",
+    "gather_logprobs",
+    "generalized_jsd",
+    "generalized_jsd_from_logprobs",
+    "groups_from_traces",
+    "importance_sampled_pg_loss",
+    "publish_weights",
+    "reduce_masked",
+    "reverse_kl_advantages",
+    "sampled_reverse_kl",
+    "to_torch",
+    "token_logprobs",
+    "topk_forward_kl",
+    "topk_forward_kl_from_logprobs",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH:
+        module, attr = _TORCH[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value  # once loaded, a plain attribute
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

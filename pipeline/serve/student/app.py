@@ -1,0 +1,230 @@
+"""The student server's HTTP routes (FastAPI), in the shapes verifiers 0.4 uses.
+
+=========================================  ===================================================================
+``GET /v1/models``                         served model names with ``max_model_len`` (the train client's
+                                           prompt-length check reads it)
+``POST /inference/v1/generate``            token ids in, ``choices[0].token_ids`` and
+                                           ``choices[0].logprobs.content[i] = {"token": "token_id:<id>",
+                                           "logprob": x}`` out (verifiers' train client mode)
+``POST /v1/chat/completions``              OpenAI chat completions, ``stream`` and
+                                           ``stream_options.include_usage`` honoured (eval client mode)
+``POST /sessions/{id}/finish``             close a rollout: ``{"task", "reward", "trainable", "group_size"?,
+                                           "env_id"?, "policy_version"?, "group_overrides"?}``; full groups
+                                           are pushed onto ``rollouts``
+``DELETE /sessions/{id}``                  drop a rollout without training on it
+``GET /sessions/{id}``                     what is tracked for a rollout (debugging)
+``GET /health``                            sessions, open groups, groups waiting to be pushed
+=========================================  ===================================================================
+
+Every inference request carrying ``X-Session-ID`` is recorded in that session's tree-mode tracker.
+A request body above ``max_body_bytes`` is refused with 413 (counted as it arrives, never read in full).
+Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``. A malformed body (a missing
+or out-of-range field, invalid JSON) is a 400 naming the field, as vLLM and OpenAI answer it, so an OpenAI
+client (verifiers') raises its ``BadRequestError`` with the reason rather than FastAPI's ``{"detail": [...]}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.rollout.openai_types import Stream
+from pipeline.serve.atropos.app import _GONE, _read_capped
+from pipeline.serve.student.service import (
+    FinishRequest,
+    GenerateRequest,
+    ServeError,
+    StudentService,
+    sse_events,
+)
+
+log = structlog.get_logger(__name__)
+SESSION_HEADER = "X-Session-ID"
+
+
+#: The default cap on a request body (``--max-body-bytes``): a generate request of 100,000 token ids is ~0.7 MB.
+MAX_BODY_BYTES = 32 << 20
+
+
+class BodyCap:
+    """Every request body read with a size cap: above ``max_bytes`` the answer is 413 in the OpenAI shape (the
+    rest of the body is read and dropped as it arrives, so the client gets the answer)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body = await _read_capped(receive, self.max_bytes)
+        if body is _GONE:
+            return
+        if body is None:
+            err = ServeError(413, f"request body is more than {self.max_bytes} bytes", "RequestTooLarge")
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def create_app(
+    service: StudentService,
+    *,
+    maintain_every_s: float = 10.0,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app; a background task runs ``service.maintain`` every ``maintain_every_s`` seconds. With
+    ``api_key``, every route but ``/health`` wants ``Authorization: Bearer <api_key>`` (else 401). A request
+    body above ``max_body_bytes`` gets 413."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(maintain_every_s)
+                try:
+                    await service.maintain()
+                except Exception:  # keep bounding sessions whatever one pass hit
+                    log.exception("student.maintain_failed")
+
+        task = asyncio.create_task(loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await service.close()
+
+    app = FastAPI(title="distillq student", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ServeError)
+    async def serve_error(request: Request, exc: ServeError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next: Any) -> Response:
+            given = request.headers.get("authorization", "").encode("latin-1")  # the header's bytes as sent
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                return JSONResponse(ServeError(401, "invalid or missing API key", "AuthenticationError").body(), 401)
+            response: Response = await call_next(request)
+            return response
+
+    app.add_middleware(BodyCap, max_bytes=max_body_bytes)
+    _inference_routes(app, service)
+    _session_routes(app, service)
+    return app
+
+
+def _inference_routes(app: FastAPI, service: StudentService) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return service.models()
+
+    @app.post("/inference/v1/generate")
+    async def generate(
+        req: GenerateRequest, x_session_id: str | None = Header(None, alias=SESSION_HEADER)
+    ) -> dict[str, Any]:
+        return await service.generate(req, x_session_id)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request, x_session_id: str | None = Header(None, alias=SESSION_HEADER)) -> Response:
+        body = await _json_object(request)
+        out = await service.chat(body, x_session_id)
+        if isinstance(out, Stream):
+            events = sse_events(out.chunks)
+
+            async def send() -> AsyncIterator[bytes]:
+                for e in events:
+                    yield e
+
+            return StreamingResponse(send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(out.model_dump())
+
+
+def _session_routes(app: FastAPI, service: StudentService) -> None:
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, req: FinishRequest) -> dict[str, Any]:
+        return await service.finish(session_id, req)
+
+    @app.delete("/sessions/{session_id}", status_code=204)
+    async def discard(session_id: str) -> Response:
+        if not service.discard(session_id):
+            raise ServeError(404, f"no session {session_id!r}", "NotFoundError")
+        return Response(status_code=204)
+
+    @app.get("/sessions/{session_id}")
+    async def session(session_id: str) -> dict[str, Any]:
+        s = service.sessions.get(session_id)
+        if s is None:
+            raise ServeError(404, f"no session {session_id!r}", "NotFoundError")
+        return {
+            "id": s.id,
+            "requests": s.requests,
+            "branches": [{"tokens": n.length, "sampled": sum(n.mask), "turns": n.turns} for n in s.tracker.leaves()],
+            "divergences": s.tracker.stats.divergences,
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "sessions": len(service.sessions),
+            "open_groups": len(service.groups),
+            "unsent_groups": len(service.unsent),
+            "untracked_requests": service.untracked,
+        }
+
+
+#: How many validation errors a 400 lists (a large malformed body can fail on every element).
+MAX_REPORTED_ERRORS = 10
+
+
+def validation_error(exc: RequestValidationError) -> ServeError:
+    """A 400 in the OpenAI shape for a body FastAPI could not validate: each failing field with pydantic's
+    reason (never the offending value), ``param`` the first field."""
+    errors = list(exc.errors())
+    where = [".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body" for e in errors]
+    parts = [f"{w}: {e.get('msg', 'invalid')}" for w, e in zip(where, errors, strict=True)][:MAX_REPORTED_ERRORS]
+    if len(errors) > MAX_REPORTED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
+    message = "invalid request: " + ("; ".join(parts) or "the body does not validate")
+    return ServeError(400, message, param=where[0] if where else None)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ServeError(400, f"request body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ServeError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body

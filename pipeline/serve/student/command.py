@@ -1,0 +1,334 @@
+"""``distillq serve student``: argparse glue for the verifiers-compatible student endpoint.
+
+    distillq serve student --backend hf --model DIR [--port 8100] [--group-size 8]
+    distillq serve student --backend vllm --url http://127.0.0.1:8000 --tokenizer DIR
+
+Hook it into a ``serve`` subcommand parser with::
+
+    p = serve_sub.add_parser("student", help="verifiers-compatible student endpoint")
+    add_student_arguments(p)
+    p.set_defaults(func=run_student)
+
+``python -m pipeline.serve.student.command ARGS`` runs it without the ``distillq`` entry point. Either way a
+failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit status docs/cli.md
+gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be reached, 1 when
+the port cannot be bound. ``run_student`` prints it itself (the serve layer does not import the CLI's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from pipeline.config import add_redis_args, redis_settings_from_args
+from pipeline.logs import configure_logging
+
+if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
+    from pipeline.config import RedisSettings
+    from pipeline.rollout.students.base import StudentBackend
+    from pipeline.serve.student.service import ServeConfig
+
+log = structlog.get_logger(__name__)
+
+#: Exit statuses, as every ``distillq`` command uses them (docs/cli.md, "Exit status").
+EXIT_USAGE: Final = 2
+EXIT_REDIS: Final = 3
+
+
+def add_student_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``serve student``."""
+    p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="student backend")
+    p.add_argument("--model", help="hf: model directory, weights and tokenizer (default: none; required for hf)")
+    p.add_argument("--url", help="vllm: the vLLM server, http://host:port with or without /v1; several separated "
+                                 "by commas, used round-robin (default: none; required for vllm)")
+    p.add_argument("--vllm-model", help="vllm: the model name on that server (default: the first it serves)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model; required with --backend vllm)")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="name clients use for the model, repeatable (default: hf: the --model path as given; vllm: the "
+             "name the vLLM server serves it under, --vllm-model or the first it lists)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length reported by /v1/models and enforced (default: the model's)",
+    )
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8100, help="port (0: any free port, see --port-file)")
+    p.add_argument("--port-file", type=Path, default=None,
+                   help="write the bound port here once listening (default: none)")
+    p.add_argument("--group-size", type=int, default=1, help="rollouts per group unless a finish says otherwise")
+    p.add_argument("--env-id", type=int, default=0, help="env_id of the groups pushed")
+    p.add_argument("--policy-version", type=int, default=0,
+                   help="policy_version of the groups pushed (with --weights-dir: the version the server reports)")
+    p.add_argument("--weights-dir", default=None, metavar="DIR",
+                   help="vllm: keep every --url server on the newest version a learner publishes here and tag each "
+                        "group with the version its requests ran on (default: none)")
+    p.add_argument("--weights-sync", choices=("vllm", "vllm-lora", "sglang"),
+                   default=os.environ.get("DISTILLQ_WEIGHTS_SYNC") or "vllm",
+                   help="with --weights-dir: vllm (reload in place), vllm-lora (an adapter per version) or sglang "
+                        "(env DISTILLQ_WEIGHTS_SYNC)")
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=1800.0,
+        help="seconds before an idle unfinished rollout (or an incomplete group) is dropped (flushed)",
+    )
+    p.add_argument("--max-sessions", type=int, default=4096, help="rollouts tracked at once (LRU eviction)")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                   help="request bodies above this many bytes are refused with 413 (default: 33554432, 32 MiB)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument(
+        "--api-key-var",
+        default=None,
+        metavar="VAR",
+        help="name of an environment variable holding a key clients must send as a bearer token (default: none, "
+             "no key)",
+    )
+    add_redis_args(p)  # fmt: skip
+
+
+def _hf_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
+    from pipeline.rollout.students.hf import HFStudent
+
+    student = HFStudent.from_pretrained(args.model)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        student = HFStudent(student.model, AutoTokenizer.from_pretrained(args.tokenizer))
+    cfg = student.model.config
+    max_len = args.max_model_len or int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+    names = tuple(args.served_model_name or [args.model])
+    return student, _config(args, names, max_len, int(cfg.vocab_size))
+
+
+def _vllm_models(root: str) -> list[dict[str, Any]]:
+    import httpx
+
+    try:
+        resp = httpx.get(f"{root}/v1/models", timeout=30.0)
+        resp.raise_for_status()
+        data: list[dict[str, Any]] = resp.json().get("data", [])
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise ValueError(f"cannot list the models of {root}: {type(e).__name__}: {e}") from e
+    return data
+
+
+def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
+    from transformers import AutoTokenizer
+
+    from pipeline.rollout.students.vllm import VLLMStudent
+    from pipeline.urls import server_root
+
+    urls = [server_root(u.strip()) for u in args.url.split(",") if u.strip()]
+    root = urls[0]
+    models = _vllm_models(root)
+    name = args.vllm_model or (models[0]["id"] if models else None)
+    if not name:
+        raise ValueError(f"{root}/v1/models lists no model; pass --vllm-model")
+    info = next((m for m in models if m.get("id") == name), {})
+    max_len = args.max_model_len or int(info.get("max_model_len") or 0)
+    if not max_len:
+        raise ValueError("the vLLM server reports no max_model_len; pass --max-model-len")
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    students = [VLLMStudent(u, name, tokenizer) for u in urls]
+    config = _config(args, tuple(args.served_model_name or [name]), max_len, None)
+    if len(students) == 1 and not args.weights_dir:
+        return students[0], config
+    from pipeline.rollout.sync_engines import make_engine
+    from pipeline.rollout.synced import SyncedStudent
+
+    engines = [make_engine(args.weights_sync, u, served_name=name) for u in urls]
+    backend = SyncedStudent(students, engines, args.weights_dir)
+    return backend, dataclasses.replace(config, versions_from_server=backend.synced)
+
+
+def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, vocab: int | None) -> ServeConfig:
+    from pipeline.serve.student.service import ServeConfig
+
+    return ServeConfig(
+        served_names=names,
+        max_model_len=max_len,
+        vocab_size=vocab,
+        default_max_tokens=args.default_max_tokens,
+        group_size=args.group_size,
+        env_id=args.env_id,
+        policy_version=args.policy_version,
+    )
+
+
+async def _serve(
+    args: argparse.Namespace,
+    backend: StudentBackend,
+    config: ServeConfig,
+    *,
+    started: Callable[[Any], None] | None = None,
+) -> int:
+    """Serve until the server stops (a signal; ``started`` gets the uvicorn server once it listens), then
+    close the backend (the vLLM client's connections)."""
+    from pipeline.rollout.synced import SyncedStudent
+
+    synced = backend if isinstance(backend, SyncedStudent) else None
+    stop = asyncio.Event()
+    syncer = None
+    try:
+        if synced is not None:
+            await synced.start()  # every server on the newest version before the first request
+            syncer = asyncio.create_task(synced.run(stop))
+        return await _serve_app(args, backend, config, started)
+    finally:
+        stop.set()
+        if syncer is not None:
+            await syncer
+        aclose = getattr(backend, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _serve_app(
+    args: argparse.Namespace, backend: StudentBackend, config: ServeConfig, started: Callable[[Any], None] | None
+) -> int:
+    import uvicorn
+
+    from pipeline.serve.student.app import create_app
+    from pipeline.serve.student.service import StudentService
+    from pipeline.serve.student.sessions import SessionStore
+    from pipeline.transport.sdk import AsyncGroupProducer
+
+    rs = redis_settings_from_args(args)
+    async with AsyncGroupProducer(rs.redis_url, namespace=rs.namespace) as producer:
+        sessions = SessionStore(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
+        service = StudentService(backend, config, producer.push, sessions=sessions)
+        api_key = os.environ.get(args.api_key_var) if args.api_key_var else None
+        app = create_app(service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)), api_key=api_key,
+                         max_body_bytes=args.max_body_bytes)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        stopped: list[int] = []
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:  # uvicorn re-raises the signal after its graceful shutdown: noted, not fatal
+            signal.signal(sig, lambda s, _frame: stopped.append(s))
+        try:
+            task = asyncio.create_task(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if not server.started:
+                await task
+                return 1
+            _started(args, server, config, rs.namespace)
+            if started is not None:
+                started(server)
+            await task
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    log.info("student.stopped", signal=signal.Signals(stopped[0]).name if stopped else None)
+    return 0
+
+
+def _started(args: argparse.Namespace, server: Any, config: ServeConfig, namespace: str) -> None:
+    port = server.servers[0].sockets[0].getsockname()[1]
+    if args.port_file:
+        args.port_file.write_text(f"{port}\n")
+    log.info("student.serving", url=f"http://{args.host}:{port}/v1", models=list(config.served_names),
+             max_model_len=config.max_model_len, namespace=namespace)  # fmt: skip
+
+
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags (checked before anything loads or connects), or None."""
+    checks = (
+        (args.group_size >= 1, "--group-size must be >= 1"),
+        (args.max_sessions >= 1, "--max-sessions must be >= 1"),
+        (args.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
+        (math.isfinite(args.session_ttl) and args.session_ttl > 0, "--session-ttl must be a number of seconds > 0"),
+        (args.default_max_tokens >= 1, "--default-max-tokens must be >= 1"),
+        (args.max_model_len is None or args.max_model_len >= 2, "--max-model-len must be >= 2"),
+        (0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}"),
+        (0 <= args.metrics_port <= 65535, f"--metrics-port must be in 0..65535, got {args.metrics_port}"),
+        (args.backend != "hf" or bool(args.model), "--backend hf needs --model DIR"),
+        (args.backend != "vllm" or bool(args.url and args.tokenizer), "--backend vllm needs --url and --tokenizer"),
+        (args.backend == "vllm" or not args.weights_dir, "--weights-dir needs --backend vllm"),
+    )
+    for ok, message in checks:
+        if not ok:
+            return message
+    if args.api_key_var and not os.environ.get(args.api_key_var):
+        return f"--api-key-var {args.api_key_var}: the variable is not set"
+    return None
+
+
+def redis_error(exc: BaseException, url: str) -> str:
+    """One line for a Redis that cannot be used, the password masked (the words other commands print)."""
+    from pipeline.transport.connection import redis_error_line
+
+    return redis_error_line(exc, url)
+
+
+async def _ping(settings: RedisSettings) -> None:
+    from pipeline.transport.connection import connect
+
+    client = connect(settings)
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"distillq: {message}", file=sys.stderr, flush=True)
+    return status
+
+
+def run_student(args: argparse.Namespace) -> int:
+    """Check the flags and Redis, load the backend and serve until interrupted: 0 after a signal, 2 on a
+    configuration error, 3 if Redis cannot be reached, 1 if the port cannot be bound."""
+    from pydantic import ValidationError
+    from redis.exceptions import RedisError
+
+    problem = usage_error(args)
+    if problem is not None:
+        return _fail(problem, EXIT_USAGE)
+    try:
+        rs = redis_settings_from_args(args)
+    except ValidationError as e:  # a malformed --redis-url or DISTILLQ_* setting
+        reasons = (f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}" for x in e.errors())
+        return _fail("invalid setting " + "; ".join(reasons), EXIT_USAGE)
+    try:
+        asyncio.run(_ping(rs))  # before the model loads: a Redis that is away is said at once
+    except (RedisError, OSError) as e:
+        return _fail(redis_error(e, rs.redis_url), EXIT_REDIS)
+    try:
+        backend, config = _hf_backend(args) if args.backend == "hf" else _vllm_backend(args)
+    except (ValueError, OSError) as e:
+        return _fail(" ".join(str(e).split()), EXIT_USAGE)
+    from pipeline.metrics import serve_metrics
+
+    serve_metrics(args.metrics_port)
+    return asyncio.run(_serve(args, backend, config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distillq serve student", description=__doc__.split("\n")[0])
+    add_student_arguments(parser)
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    return run_student(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
