@@ -12,8 +12,9 @@ passes it as ``default_k``. Precedence: the flag > the environment variable > th
 environment is read when the parser is built, so ``--help`` shows the default in effect and a bad value there
 is a usage error naming the flag, as a bad flag is. An empty variable counts as unset.
 
-Types: ``bool`` is an on/off switch (``store_true``); ``Literal[...]`` a choice; ``int`` with ``ge`` at least
-that; ``list[str] | None`` a repeatable flag whose variable is comma-separated; ``Flag.parse`` any other parser.
+Types: ``bool`` is an on/off switch (``store_true``); ``Literal[...]`` a choice; ``int`` with ``ge`` (and
+``le``) in that range; ``list[str] | None`` a repeatable flag whose variable is comma-separated; ``Flag.parse``
+any other parser.
 ``TeacherSettings()`` alone reads the environment the same way (no flags), for code that embeds a stage.
 """
 
@@ -123,8 +124,9 @@ def one_of(*options: str) -> Callable[[str], str]:
     return parse
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer ``>= low`` (applied to environment defaults too)."""
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer ``>= low`` (and ``<= high`` when given), applied to environment defaults
+    too."""
 
     def parse(value: str) -> int:
         try:
@@ -133,6 +135,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"invalid integer {value!r}") from None
         if n < low:
             raise argparse.ArgumentTypeError(f"{n} is below {low}")
+        if high is not None and n > high:
+            raise argparse.ArgumentTypeError(f"{n} is above {high}")
         return n
 
     parse.__name__ = "integer"
@@ -158,7 +162,10 @@ def _parser(field: FieldInfo, meta: Flag) -> tuple[Callable[[str], Any], tuple[s
         return one_of(*options), options
     if kind is int:
         low = next((m.ge for m in field.metadata if isinstance(m, annotated_types.Ge)), None)
-        return (int if low is None else int_at_least(int(low))), None  # type: ignore[call-overload]
+        high = next((m.le for m in field.metadata if isinstance(m, annotated_types.Le)), None)
+        if low is None:
+            return int, None
+        return int_at_least(int(low), None if high is None else int(high)), None  # type: ignore[call-overload]
     if kind is float:
         return float, None
     if kind is str:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.flags import FlagSettings, doc_table
+from pipeline.serve.atropos.settings import AtroposSettings
 from workers.settings import FeederSettings, RolloutSettings, TeacherSettings, WorkerSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
@@ -25,6 +26,7 @@ TABLES: dict[str, type[FlagSettings]] = {
     "worker teacher": TeacherSettings,
     "worker feeder": FeederSettings,
     "worker rollout": RolloutSettings,
+    "serve atropos": AtroposSettings,
 }
 
 _BLOCK = re.compile(r"(<!-- flags: (?P<name>[\w -]+?) -->\n)(?P<body>.*?)(<!-- /flags -->)", re.DOTALL)

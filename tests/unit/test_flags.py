@@ -13,9 +13,11 @@ import pytest
 
 from pipeline.cli import docs
 from pipeline.config import StreamSettings
-from pipeline.flags import FlagSettings, build, flag_of, from_args
+from pipeline.flags import FlagSettings, add_flags, build, flag_of, from_args
 from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.sync_engines import ENGINES
+from pipeline.serve.atropos.settings import AtroposSettings
+from pipeline.serve.atropos.startup import ServeConfig
 from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.scoring import ScoringConfig
 from pipeline.teacher.hf import HFTeacher
@@ -25,11 +27,11 @@ from pipeline.teacher.vllm_http import HTTPTeacherConfig
 from workers import feeder, rollout, teacher
 from workers.settings import STAGE_SETTINGS, RolloutSettings, TeacherSettings, WeightsSync, WorkerSettings
 
-ALL: tuple[type[FlagSettings], ...] = (WorkerSettings, *STAGE_SETTINGS.values())
+ALL: tuple[type[FlagSettings], ...] = (WorkerSettings, *STAGE_SETTINGS.values(), AtroposSettings)
 #: Every class a settings field maps into (``Flag.to``), by name.
 TARGETS: dict[str, Callable[..., Any]] = {c.__name__: c for c in (
     StreamSettings, ScoringConfig, HTTPTeacherConfig, VLLMEngineConfig, HFTeacher, SyntheticTeacher, BatchingConfig,
-    GenParams)}
+    GenParams, ServeConfig)}
 ADD = {"teacher": teacher.add_arguments, "feeder": feeder.add_arguments, "rollout": rollout.add_arguments}
 
 
@@ -116,6 +118,12 @@ def test_configs_built_from_flags_carry_them() -> None:
         0.5, None, "padded", 3)
     gen = build(GenParams, from_args(RolloutSettings, parse("rollout", "--max-tokens", "9", "--top-p", "0.5")))
     assert (gen.max_tokens, gen.top_p, gen.temperature) == (9, 0.5, 1.0)
+    serve = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(serve, AtroposSettings)
+    cfg = build(ServeConfig, from_args(AtroposSettings, serve.parse_args(["--gzip-level", "9", "--lease-s", "3"])))
+    assert (cfg.gzip_level, cfg.lease_s, cfg.batch_wait_s, cfg.consumer_name) == (9, 3.0, 1.0, "atropos-server")
+    with pytest.raises(argparse.ArgumentError, match="argument --gzip-level: 10 is above 9"):
+        serve.parse_args(["--gzip-level", "10"])
     streams = build(StreamSettings, from_args(WorkerSettings, parse("feeder", "--read-count", "3")))
     assert (streams.read_count, streams.max_in_flight) == (3, 16)
 
