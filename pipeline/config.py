@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.validate import Limits
 
+#: Every variable distillq reads starts with it.
+ENV_PREFIX = "DISTILLQ_"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The variable ``DISTILLQ_<name>``, else ``default``: the one place a setting is read from the environment
+    by name (settings classes read theirs through pydantic-settings or ``pipeline.flags``)."""
+    return os.environ.get(f"{ENV_PREFIX}{name}", default)
+
 
 class RedisSettings(BaseSettings):
     """Where Redis is: one URL (``redis://``, ``rediss://`` for TLS; user/password in the URL)."""
 
-    model_config = SettingsConfigDict(env_prefix="DISTILLQ_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "distillq"
@@ -52,7 +62,7 @@ def redis_settings_from_args(args: argparse.Namespace) -> RedisSettings:
 class StreamSettings(BaseSettings):
     """How stages use streams: caps, blocking reads, reclaim, dead-lettering, dedupe."""
 
-    model_config = SettingsConfigDict(env_prefix="DISTILLQ_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     max_backlog: int = Field(1000, ge=1, description="producers wait while a stream holds this many entries")
     backpressure_timeout_s: float = Field(300.0, gt=0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -13,18 +12,19 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
+from pipeline.config import StreamSettings, add_redis_args, env, redis_settings_from_args
+from pipeline.flags import add_flags, build, from_args, int_at_least, one_of
 from pipeline.logs import configure_logging
 from pipeline.stages.worker_main import check_health, run_worker
 from pipeline.transport.connection import redis_error_line, retry_transient
 from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import get_shards, parse_assigned
+from workers.settings import WorkerSettings
+
+__all__ = ["STAGE_DESCRIPTIONS", "HelpFormatter", "add_common_args", "env", "int_at_least", "one_of", "run_stage",
+           "shard_plan", "standalone", "stream_settings"]
 
 Serve = Callable[[argparse.Namespace, aioredis.Redis, Keys, asyncio.Event], Awaitable[Any]]
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"DISTILLQ_{name}", default)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -42,56 +42,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
+    """``--redis-url``/``--namespace`` and the flags of ``WorkerSettings``."""
     add_redis_args(p)
-    p.add_argument("--burst", action="store_true",
-                   help="drain the input (teacher, feeder: the input stream; rollout: the job queue), then exit 0")
-    p.add_argument("--check", action="store_true",
-                   help="exit 0 if this host's worker of this stage wrote its heartbeat in the last 30 s, else 1 "
-                        "(container health check; prints why)")
-    p.add_argument("--any-host", action="store_true", help="with --check: a worker of the stage on any host counts")
-    p.add_argument("--metrics-port", type=int, default=env("METRICS_PORT") or "0", metavar="PORT",
-                   help="Prometheus /metrics port, 0: off (env DISTILLQ_METRICS_PORT)")
-    p.add_argument("--metrics-host", default=env("METRICS_HOST", "127.0.0.1"), metavar="HOST",
-                   help="address the metrics endpoint binds (env DISTILLQ_METRICS_HOST)")
-    p.add_argument("--consumer-name", default=env("CONSUMER_NAME"), metavar="NAME",
-                   help="stable consumer name: a restart under the same name gets its own unacknowledged entries "
-                        "back first (env DISTILLQ_CONSUMER_NAME; default: <stage>-<host>-<pid>-<random>)")
-    p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
-                   help="messages handled at once, teacher only (default: $DISTILLQ_MAX_IN_FLIGHT or 16)")
-    p.add_argument("--read-count", type=int, default=None, metavar="N",
-                   help="entries per read, teacher and feeder (default: $DISTILLQ_READ_COUNT or 8)")
-    p.add_argument("--shards", default=env("SHARDS"), metavar="LIST",
-                   help="read only these shards of a sharded input stream, e.g. 0,2; teacher and feeder "
-                        "(env DISTILLQ_SHARDS; default: all)")
-
-
-def one_of(*options: str) -> Callable[[str], str]:
-    """An argparse ``type`` accepting ``options`` only. Unlike ``choices=``, argparse also applies it to a
-    string default, so a bad value from the environment (``DISTILLQ_TEACHER_ROWS=bogus``) is a usage error."""
-
-    def parse(value: str) -> str:
-        if value not in options:
-            raise argparse.ArgumentTypeError(f"invalid choice {value!r} (choose from {', '.join(options)})")
-        return value
-
-    parse.__name__ = "choice"
-    return parse
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer ``>= low`` (applied to environment defaults too)."""
-
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid integer {value!r}") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"{n} is below {low}")
-        return n
-
-    parse.__name__ = "integer"
-    return parse
+    add_flags(p, WorkerSettings)
 
 
 async def shard_plan(
@@ -103,8 +56,8 @@ async def shard_plan(
 
 
 def stream_settings(args: argparse.Namespace, **overrides: Any) -> StreamSettings:
-    given = {k: getattr(args, k) for k in ("max_in_flight", "read_count") if getattr(args, k, None) is not None}
-    return StreamSettings(**{**given, **overrides})
+    """``StreamSettings`` from the environment, with the worker's flags that map into them (``WorkerSettings``)."""
+    return build(StreamSettings, from_args(WorkerSettings, args), **overrides)
 
 
 def run_stage(stage: str, args: argparse.Namespace, serve: Serve) -> int:

@@ -16,10 +16,10 @@ import structlog
 
 from pipeline import metrics
 from pipeline.config import redis_settings_from_args
-from pipeline.rollout.rewards import get_reward, reward_names
+from pipeline.flags import add_flags, build, from_args
+from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.students.base import GenParams, StudentBackend
-from pipeline.rollout.sync_engines import ENGINES
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import attribute, attribution
 from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name
@@ -27,7 +27,8 @@ from pipeline.transport.jobs import JobStats, PromptJob, arq_settings, build_wor
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from schemas import RolloutGroup
-from workers.common import add_common_args, env, one_of, run_stage, shard_plan, standalone, stream_settings
+from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
+from workers.settings import RolloutSettings
 
 log = structlog.get_logger("distillq.rollout")
 #: Times a group is sampled again when the servers' weights changed while it was sampled.
@@ -35,37 +36,7 @@ RESAMPLES = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["vllm", "hf"], type=one_of("vllm", "hf"),
-                   default=env("STUDENT_BACKEND", "vllm"),
-                   help="vllm (a student server) or hf (a local transformers model) (env DISTILLQ_STUDENT_BACKEND)")
-    p.add_argument("--model", default=env("STUDENT_MODEL"), metavar="NAME_OR_PATH",
-                   help="required: served model name (vllm) or local path (hf) (env DISTILLQ_STUDENT_MODEL; "
-                        "default: none)")
-    p.add_argument("--url", action="append", default=None, metavar="URL[,URL...]",
-                   help="student server URL(s), required for vllm: repeat or separate by commas for several servers, "
-                        "used round-robin (env DISTILLQ_STUDENT_URL; default: none)")
-    p.add_argument("--tokenizer", default=env("STUDENT_TOKENIZER"), metavar="PATH",
-                   help="student tokenizer (env DISTILLQ_STUDENT_TOKENIZER; default: --model)")
-    p.add_argument("--group-size", type=int, default=env("GROUP_SIZE") or "8", metavar="N",
-                   help="completions per prompt (env DISTILLQ_GROUP_SIZE)")
-    p.add_argument("--max-tokens", type=int, default=env("MAX_TOKENS") or "256", metavar="N",
-                   help="tokens per completion at most (env DISTILLQ_MAX_TOKENS)")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
-    p.add_argument("--reward", default=env("REWARD", "none"), metavar="NAME",
-                   help=f"reward function: {', '.join(reward_names())} (env DISTILLQ_REWARD)")
-    p.add_argument("--max-jobs", type=int, default=env("MAX_JOBS") or "4", metavar="N",
-                   help="prompts sampled at once (env DISTILLQ_MAX_JOBS)")
-    p.add_argument("--weights-dir", default=env("WEIGHTS_DIR"), metavar="DIR",
-                   help="keep the student on the newest version a learner publishes here (hf: reloaded in "
-                        "process; vllm: every --url server reloaded in place); groups are tagged with the version "
-                        "that sampled them, read from the server (env DISTILLQ_WEIGHTS_DIR; default: none)")
-    p.add_argument("--weights-sync", choices=ENGINES, type=one_of(*ENGINES), default=env("WEIGHTS_SYNC", "vllm"),
-                   help="how the servers load a version: vllm (reload_weights, VLLM_SERVER_DEV_MODE=1), vllm-lora "
-                        "(a PEFT adapter per version, --enable-lora) or sglang (update_weights_from_disk) "
-                        "(env DISTILLQ_WEIGHTS_SYNC)")
-    p.add_argument("--device", default=env("DEVICE") or "cpu", metavar="DEVICE",
-                   help="hf backend: torch device of the student model, e.g. cuda (env DISTILLQ_DEVICE)")
+    add_flags(p, RolloutSettings)
     add_common_args(p)
 
 
@@ -76,7 +47,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
         from pipeline.rollout.students.hf import HFStudent
 
         return HFStudent.from_pretrained(args.model, device=args.device)
-    urls = [u.strip() for arg in (args.url or [env("STUDENT_URL") or ""]) for u in arg.split(",") if u.strip()]
+    urls = [u.strip() for arg in from_args(RolloutSettings, args).url or () for u in arg.split(",") if u.strip()]
     if not urls:
         raise SystemExit("distillq worker rollout: --url is required for the vllm backend")
     from transformers import AutoTokenizer
@@ -132,7 +103,7 @@ async def keep_synced(student: SyncedStudent | None, stop: asyncio.Event) -> Asy
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
     backend = make_backend(args)
     reward = get_reward(args.reward)
-    params = GenParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    params = build(GenParams, from_args(RolloutSettings, args))
     shards, _ = await shard_plan(args, redis, keys, stop)
     producer = StreamProducer(redis, keys, "rollouts", stream_settings(args), shards=shards)
     name = args.consumer_name or default_consumer_name("rollout")

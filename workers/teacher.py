@@ -5,144 +5,59 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import get_args
 
 import redis.asyncio as aioredis
 import structlog
 
+from pipeline.flags import add_flags, build, from_args
 from pipeline.stages.runloop import StageRunner
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.base import TeacherBackend, TeacherConfigError
 from pipeline.transport.keys import Keys
 from schemas import RolloutGroup
-from workers.common import (
-    add_common_args,
-    env,
-    int_at_least,
-    one_of,
-    run_stage,
-    shard_plan,
-    standalone,
-    stream_settings,
-)
+from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
+from workers.settings import Dtype, TeacherBackendName, TeacherSettings, auto_or_positive
+
+__all__ = ["BACKENDS", "DTYPES", "add_arguments", "auto_or_positive", "main", "make_backend", "prepare", "serve"]
 
 log = structlog.get_logger("distillq.teacher")
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKENDS = ("vllm", "vllm-engine", "sglang", "hf", "synthetic")
-
-
-def auto_or_positive(text: str) -> int | None:
-    """``auto`` -> None, else an integer >= 1."""
-    return None if text == "auto" else int_at_least(1)(text)
+DTYPES = get_args(Dtype)
+BACKENDS = get_args(TeacherBackendName)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=BACKENDS, type=one_of(*BACKENDS), default=env("TEACHER_BACKEND", "vllm"),
-                   help="vllm, sglang (HTTP servers), vllm-engine (a vLLM engine in a child process, top-k as arrays), "
-                        "hf (local transformers model), synthetic (deterministic fake payloads, for tests and "
-                        "benchmarks) (env DISTILLQ_TEACHER_BACKEND)")
-    p.add_argument("--model", default=env("TEACHER_MODEL"), metavar="NAME_OR_PATH",
-                   help="served model name (vllm, sglang) or local path (hf, vllm-engine) (env DISTILLQ_TEACHER_MODEL; "
-                        "default: none, a vLLM server's first model)")
-    p.add_argument("--url", action="append", default=None,
-                   help="teacher server URL, http://host:port or the OpenAI-style http://host:port/v1; repeat for "
-                        "several (default: $DISTILLQ_TEACHER_URLS, comma-separated)")
-    p.add_argument("--tokenizer", default=env("TEACHER_TOKENIZER"), metavar="PATH",
-                   help="teacher tokenizer, for the vocabulary check "
-                        "(env DISTILLQ_TEACHER_TOKENIZER; default: --model)")
-    p.add_argument("--student-tokenizer", default=env("STUDENT_TOKENIZER"), metavar="PATH",
-                   help="compare vocabularies with this tokenizer at startup; refuse to start if they differ "
-                        "(env DISTILLQ_STUDENT_TOKENIZER; default: no check)")
-    p.add_argument("--top-k", type=int_at_least(1), default=env("TOP_K") or "20", metavar="K",
-                   help="default k; a group's group_overrides.teacher_top_k replaces it (env DISTILLQ_TOP_K)")
-    p.add_argument("--max-batch-tokens", type=int_at_least(1), default=env("TEACHER_MAX_BATCH_TOKENS") or "16384",
-                   metavar="N", help="padded tokens per teacher call (env DISTILLQ_TEACHER_MAX_BATCH_TOKENS)")
-    p.add_argument("--concurrency", type=int_at_least(1), default=env("TEACHER_CONCURRENCY") or "8", metavar="N",
-                   help="teacher calls in flight per worker; the hf backend makes one at a time "
-                        "(env DISTILLQ_TEACHER_CONCURRENCY)")
-    p.add_argument("--timeout", type=float, default=env("TEACHER_TIMEOUT_S") or "120", metavar="SECONDS",
-                   help="seconds per request, HTTP backends (env DISTILLQ_TEACHER_TIMEOUT_S)")
-    p.add_argument("--retries", type=int_at_least(0), default=3, metavar="N",
-                   help="extra attempts for a retryable teacher failure; then the group's payload is dropped")
-    p.add_argument("--k-over-cap", choices=["clamp", "drop"], type=one_of("clamp", "drop"),
-                   default=env("K_OVER_CAP", "clamp"),
-                   help="a group asking for more than the server's logprob cap: clamp to the cap, or drop its "
-                        "payload (env DISTILLQ_K_OVER_CAP)")
-    p.add_argument("--fp16-topk", action="store_true", help="carry top-k logprobs as float16")
-    p.add_argument("--rows", choices=["trained", "all"], type=one_of("trained", "all"),
-                   default=env("TEACHER_ROWS") or "trained",
-                   help="teacher rows scored and shipped per sequence: the rows the learner trains on "
-                        "(loss_mask[r+1] == 1), or every row (env DISTILLQ_TEACHER_ROWS)")
-    p.add_argument("--hf-chunk-positions", type=auto_or_positive, default=env("TEACHER_HF_CHUNK_POSITIONS") or "auto",
-                   metavar="N|auto",
-                   help="hf backend: rows per lm_head/log-softmax chunk; memory about 2 x N x vocabulary x 4 bytes; "
-                        "auto: from the device's free memory (env DISTILLQ_TEACHER_HF_CHUNK_POSITIONS)")
-    p.add_argument("--hf-min-shared-prefix", type=int_at_least(0), default=env("TEACHER_HF_MIN_SHARED_PREFIX") or "32",
-                   metavar="N", help="hf backend: shortest common prefix of a call's sequences computed once; 0 turns "
-                                     "sharing off (env DISTILLQ_TEACHER_HF_MIN_SHARED_PREFIX)")
-    p.add_argument("--device", default=env("TEACHER_DEVICE") or "cpu", metavar="DEVICE",
-                   help="hf backend: torch device, e.g. cpu, cuda, cuda:1 (env DISTILLQ_TEACHER_DEVICE)")
-    p.add_argument("--dtype", choices=DTYPES, type=one_of(*DTYPES), default=env("TEACHER_DTYPE") or "auto",
-                   help="hf and vllm-engine: weight dtype; log-softmax is float32 whatever it is; auto: bfloat16 on "
-                        "a GPU, float32 on CPU (hf), the model's own (vllm-engine) (env DISTILLQ_TEACHER_DTYPE)")
-    p.add_argument("--vllm-python", default=env("VLLM_PYTHON"), metavar="PATH",
-                   help="vllm-engine: a Python with vLLM installed, for the engine process (env "
-                        "DISTILLQ_VLLM_PYTHON; default: the worker's own Python)")
-    p.add_argument("--vllm-max-logprobs", type=int_at_least(1), default=env("VLLM_MAX_LOGPROBS") or "256",
-                   metavar="K", help="vllm-engine: the engine's logprob cap, the largest k it serves "
-                                     "(env DISTILLQ_VLLM_MAX_LOGPROBS)")
-    p.add_argument("--tensor-parallel-size", type=int_at_least(1), default=env("VLLM_TENSOR_PARALLEL_SIZE") or "1",
-                   metavar="N", help="vllm-engine: GPUs per engine (env DISTILLQ_VLLM_TENSOR_PARALLEL_SIZE)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=env("VLLM_GPU_MEMORY_UTILIZATION") or "0.9",
-                   metavar="FRACTION", help="vllm-engine: fraction of GPU memory (of node memory on vLLM's CPU "
-                                            "build) vLLM may take (env DISTILLQ_VLLM_GPU_MEMORY_UTILIZATION)")
-    p.add_argument("--vllm-max-model-len", type=int_at_least(1), default=env("VLLM_MAX_MODEL_LEN"), metavar="N",
-                   help="vllm-engine: longest sequence (env DISTILLQ_VLLM_MAX_MODEL_LEN; default: the model's)")
-    p.add_argument("--vllm-max-num-batched-tokens", type=int_at_least(1), default=env("VLLM_MAX_NUM_BATCHED_TOKENS"),
-                   metavar="N", help="vllm-engine: tokens per engine step; bounds the full-vocabulary logits prompt "
-                                     "logprobs materialise (env DISTILLQ_VLLM_MAX_NUM_BATCHED_TOKENS; default: vLLM's)")
-    p.add_argument("--vllm-enforce-eager", action="store_true",
-                   help="vllm-engine: no CUDA graphs / torch.compile (faster start)")
-    p.add_argument("--on-drop", choices=["pass", "dlq"], type=one_of("pass", "dlq"), default=env("ON_DROP", "pass"),
-                   help="groups whose payload was dropped: pass them on without payload, or dead-letter them "
-                        "(env DISTILLQ_ON_DROP)")
-    p.add_argument("--synthetic-latency", type=float, default=0.0, metavar="SECONDS",
-                   help="synthetic backend: seconds per call")
+    add_flags(p, TeacherSettings)
     add_common_args(p)
 
 
 def make_backend(args: argparse.Namespace) -> TeacherBackend:
-    if args.backend == "hf":
+    s = from_args(TeacherSettings, args)
+    if s.backend == "hf":
         from pipeline.teacher.hf import HFTeacher
 
-        if not args.model:
+        if not s.model:
             raise TeacherConfigError("--model PATH is required for the hf backend")
-        return HFTeacher(args.model, max_batch_tokens=args.max_batch_tokens, chunk_positions=args.hf_chunk_positions,
-                         min_shared_prefix=args.hf_min_shared_prefix, device=args.device, dtype=args.dtype)
-    if args.backend == "vllm-engine":
+        return build(HFTeacher, s, model_path=s.model)
+    if s.backend == "vllm-engine":
         from pipeline.teacher.vllm_engine import VLLMEngineConfig, VLLMEngineTeacher
 
-        if not args.model:
+        if not s.model:
             raise TeacherConfigError("--model PATH is required for the vllm-engine backend")
-        return VLLMEngineTeacher(VLLMEngineConfig(
-            model=args.model, python=args.vllm_python or sys.executable, k=args.top_k,
-            max_logprobs=args.vllm_max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            dtype=args.dtype, max_model_len=args.vllm_max_model_len,
-            max_num_batched_tokens=args.vllm_max_num_batched_tokens, enforce_eager=args.vllm_enforce_eager))
-    if args.backend == "synthetic":
+        return VLLMEngineTeacher(build(VLLMEngineConfig, s, python=s.vllm_python or sys.executable))
+    if s.backend == "synthetic":
         from pipeline.teacher.synthetic import SyntheticTeacher
 
-        return SyntheticTeacher(latency_s=args.synthetic_latency)
+        return build(SyntheticTeacher, s)
     from pipeline.teacher.vllm_http import HTTPTeacherConfig
 
-    urls = tuple(args.url or [u for u in (env("TEACHER_URLS") or "").split(",") if u])
+    urls = tuple(s.url or ())
     if not urls:
-        raise TeacherConfigError(f"--url is required for the {args.backend} backend")
-    cfg = HTTPTeacherConfig(urls=urls, model=args.model, k=args.top_k, max_concurrency=args.concurrency,
-                            timeout_s=args.timeout, startup_timeout_s=60.0)
-    if args.backend == "sglang":
+        raise TeacherConfigError(f"--url is required for the {s.backend} backend")
+    cfg = build(HTTPTeacherConfig, s, urls=urls, startup_timeout_s=60.0)
+    if s.backend == "sglang":
         from pipeline.teacher.sglang_http import SGLangTeacher
 
         return SGLangTeacher(cfg)
@@ -184,9 +99,8 @@ async def _checked(backend: TeacherBackend, args: argparse.Namespace) -> Scorer:
         check_same_vocab(teacher_tok, args.student_tokenizer)
     checksum = await self_test_checksum(backend)
     log.info("teacher_ready", identity=backend.identity, max_k=backend.max_k, top_k=args.top_k, self_test=checksum)
-    cfg = ScoringConfig(default_k=args.top_k, max_batch_tokens=args.max_batch_tokens, retries=args.retries,
-                        k_over_cap=args.k_over_cap, fp16_topk=args.fp16_topk, rows=args.rows,
-                        concurrent_calls=1 if args.backend == "hf" else args.concurrency)
+    s = from_args(TeacherSettings, args)
+    cfg = build(ScoringConfig, s, concurrent_calls=1 if s.backend == "hf" else s.concurrency)
     return Scorer(backend, cfg, limits=stream_settings(args).limits())
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from rich.console import Console
 
 from pipeline.cli.errors import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
 from pipeline.config import RedisSettings, add_redis_args, redis_settings_from_args
+from pipeline.config import env as env_default  # the one helper; the old name stays importable
 from pipeline.transport.connection import connect, redis_error_line
 from pipeline.transport.keys import STREAMS, Keys
 from workers.common import HelpFormatter
@@ -115,10 +115,6 @@ def run_output(coro: Awaitable[int]) -> int:
     except BrokenPipeError:
         sys.stderr.close()
         return 0
-
-
-def env_default(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"DISTILLQ_{name}", default)
 
 
 def report_bad_lines(file: str, errors: list[str], what: str) -> int:

@@ -23,28 +23,17 @@ from collections.abc import Callable
 
 import structlog
 
-from pipeline.cli.commands.common import add_command, env_default
+from pipeline.cli.commands.common import add_command
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
+from pipeline.flags import add_flags, build, from_args
+from pipeline.serve.atropos.settings import AtroposSettings
 
 
 def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(servers, "atropos", "the Atropos API server, backed by the pipeline's streams",
                     "Atropos-compatible API: point an environment's rollout_server_url and a trainer's Atropos URL "
                     "at it. State lives in Redis. Run no feeder on its namespace (docs/integrations.md).")
-    p.add_argument("--host", default=env_default("SERVE_HOST") or "127.0.0.1",
-                   help="address to listen on; 0.0.0.0 for every interface (no auth) (env DISTILLQ_SERVE_HOST)")
-    p.add_argument("--port", type=int, default=env_default("SERVE_PORT") or "8000",
-                   help="port; 8000 is the reference's (env DISTILLQ_SERVE_PORT)")
-    p.add_argument("--lease-s", type=float, default=600.0,
-                   help="lease of GET /batch?lease=1 before the batch is handed out again")
-    p.add_argument("--batch-wait-s", type=float, default=env_default("ATROPOS_BATCH_WAIT_S") or "1.0",
-                   help="how long GET /batch waits when groups still being scored would complete a batch; 0: answer "
-                        "at once (env DISTILLQ_ATROPOS_BATCH_WAIT_S)")
-    p.add_argument("--consumer-name", default="atropos-server",
-                   help="consumer name on the scored stream; keep it stable across restarts (replicas may share it)")
-    p.add_argument("--gzip-level", type=int, default=1, choices=range(1, 10), metavar="1-9",
-                   help="gzip level of responses (the reference uses 9, several times slower)")
-    p.add_argument("--access-log", action="store_true", help="log every request (environments poll at 10 Hz)")
+    add_flags(p, AtroposSettings)
     add_redis_args(p)
     p.set_defaults(func=run_atropos)
 
@@ -60,8 +49,8 @@ def run_atropos(args: argparse.Namespace) -> int:
         print(f"distillq: --batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
               file=sys.stderr)
         return 2
-    cfg = ServeConfig(redis=redis_settings_from_args(args), streams=StreamSettings(), lease_s=args.lease_s,
-                      consumer_name=args.consumer_name, gzip_level=args.gzip_level, batch_wait_s=args.batch_wait_s)
+    cfg = build(ServeConfig, from_args(AtroposSettings, args), redis=redis_settings_from_args(args),
+                streams=StreamSettings())
     run(ensure_reachable(cfg.redis))  # Redis away: one line and exit status 3, not a traceback after retries
     structlog.get_logger("distillq.serve.atropos").info("atropos_listening", url=f"http://{args.host}:{args.port}",
                                                         namespace=cfg.redis.namespace)

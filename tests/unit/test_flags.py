@@ -1,0 +1,150 @@
+"""Settings classes as flags (``pipeline.flags``, ``workers/settings.py``): precedence flag > variable >
+default, bad values from either are usage errors naming the flag, every field's mapping reaches a real
+config parameter, and docs/cli.md's generated tables match the classes."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Callable
+from typing import Any, get_args
+
+import pytest
+
+from pipeline.cli import docs
+from pipeline.config import StreamSettings
+from pipeline.flags import FlagSettings, add_flags, build, flag_of, from_args
+from pipeline.rollout.students.base import GenParams
+from pipeline.rollout.sync_engines import ENGINES
+from pipeline.serve.atropos.settings import AtroposSettings
+from pipeline.serve.atropos.startup import ServeConfig
+from pipeline.stages.batching import BatchingConfig
+from pipeline.stages.scoring import ScoringConfig
+from pipeline.teacher.hf import HFTeacher
+from pipeline.teacher.synthetic import SyntheticTeacher
+from pipeline.teacher.vllm_engine import VLLMEngineConfig
+from pipeline.teacher.vllm_http import HTTPTeacherConfig
+from workers import feeder, rollout, teacher
+from workers.settings import STAGE_SETTINGS, RolloutSettings, TeacherSettings, WeightsSync, WorkerSettings
+
+ALL: tuple[type[FlagSettings], ...] = (WorkerSettings, *STAGE_SETTINGS.values(), AtroposSettings)
+#: Every class a settings field maps into (``Flag.to``), by name.
+TARGETS: dict[str, Callable[..., Any]] = {c.__name__: c for c in (
+    StreamSettings, ScoringConfig, HTTPTeacherConfig, VLLMEngineConfig, HFTeacher, SyntheticTeacher, BatchingConfig,
+    GenParams, ServeConfig)}
+ADD = {"teacher": teacher.add_arguments, "feeder": feeder.add_arguments, "rollout": rollout.add_arguments}
+
+
+def parse(stage: str, *argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    ADD[stage](p)
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cls in ALL:
+        for field in cls.model_fields.values():
+            if flag_of(field).env:
+                monkeypatch.delenv(f"DISTILLQ_{flag_of(field).env}", raising=False)
+
+
+def test_flag_beats_variable_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert from_args(TeacherSettings, parse("teacher")).top_k == 20
+    monkeypatch.setenv("DISTILLQ_TOP_K", "7")
+    assert from_args(TeacherSettings, parse("teacher")).top_k == 7
+    assert from_args(TeacherSettings, parse("teacher", "--top-k", "9")).top_k == 9
+    assert TeacherSettings().top_k == 7  # without a command line: the variable, else the default
+    monkeypatch.setenv("DISTILLQ_TOP_K", "")  # empty: unset
+    assert from_args(TeacherSettings, parse("teacher")).top_k == 20
+
+
+def test_repeatable_flags_replace_their_comma_separated_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTILLQ_TEACHER_URLS", "http://a:1,http://b:2")
+    assert from_args(TeacherSettings, parse("teacher")).url == ["http://a:1", "http://b:2"]
+    assert from_args(TeacherSettings, parse("teacher", "--url", "http://c:3")).url == ["http://c:3"]
+    assert TeacherSettings().url == ["http://a:1", "http://b:2"]
+    assert from_args(RolloutSettings, parse("rollout")).url is None
+
+
+def test_auto_flag_overrides_a_number_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTILLQ_TEACHER_HF_CHUNK_POSITIONS", "64")
+    assert from_args(TeacherSettings, parse("teacher")).hf_chunk_positions == 64
+    assert from_args(TeacherSettings, parse("teacher", "--hf-chunk-positions", "auto")).hf_chunk_positions is None
+    monkeypatch.setenv("DISTILLQ_TEACHER_HF_CHUNK_POSITIONS", "auto")
+    assert TeacherSettings().hf_chunk_positions is None
+
+
+@pytest.mark.parametrize(("stage", "env", "argv", "said"), [
+    ("teacher", {}, ["--top-k", "0"], "argument --top-k: 0 is below 1"),
+    ("teacher", {"DISTILLQ_TOP_K": "x"}, [], "argument --top-k: invalid integer 'x'"),
+    ("teacher", {"DISTILLQ_TEACHER_ROWS": "bogus"}, [], "argument --rows: invalid choice 'bogus'"),
+    ("feeder", {}, ["--token-count", "max"], "argument --token-count: invalid choice 'max'"),
+    ("feeder", {"DISTILLQ_MAX_READY_BATCHES": "-1"}, [], "argument --max-ready-batches: -1 is below 0"),
+    ("rollout", {"DISTILLQ_WEIGHTS_SYNC": "rsync"}, [], "argument --weights-sync: invalid choice 'rsync'"),
+    ("rollout", {"DISTILLQ_READ_COUNT": "0"}, [], "argument --read-count: 0 is below 1"),
+])
+def test_bad_values_name_the_flag(
+    stage: str, env: dict[str, str], argv: list[str], said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(argparse.ArgumentError) as e:
+        parse(stage, *argv)
+    assert str(e.value).startswith(said), str(e.value)
+
+
+def test_every_mapping_names_a_parameter_of_its_target() -> None:
+    for cls in ALL:
+        for name, field in cls.model_fields.items():
+            for to in flag_of(field).to:
+                owner, _, param = to.partition(".")
+                assert owner in TARGETS, f"{cls.__name__}.{name}: unknown target {owner}"
+                assert (param or name) in inspect.signature(TARGETS[owner]).parameters, (cls.__name__, name, to)
+
+
+def test_configs_built_from_flags_carry_them() -> None:
+    s = from_args(TeacherSettings, parse("teacher", "--top-k", "5", "--retries", "1", "--rows", "all", "--fp16-topk",
+                                         "--concurrency", "3", "--timeout", "7", "--model", "m"))
+    scoring = build(ScoringConfig, s, concurrent_calls=2)
+    assert (scoring.default_k, scoring.retries, scoring.rows, scoring.fp16_topk, scoring.concurrent_calls) == (
+        5, 1, "all", True, 2)
+    http = build(HTTPTeacherConfig, s, urls=("http://x:1",))
+    assert (http.k, http.max_concurrency, http.timeout_s, http.model) == (5, 3, 7.0, "m")
+    args = parse("feeder", "--max-wait", "0.5", "--max-staleness", "-1", "--token-count", "padded",
+                 "--max-batch-groups", "3")
+    batching = feeder.config(args)
+    assert (batching.max_wait_s, batching.max_staleness, batching.token_count, batching.max_batch_groups) == (
+        0.5, None, "padded", 3)
+    gen = build(GenParams, from_args(RolloutSettings, parse("rollout", "--max-tokens", "9", "--top-p", "0.5")))
+    assert (gen.max_tokens, gen.top_p, gen.temperature) == (9, 0.5, 1.0)
+    serve = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(serve, AtroposSettings)
+    cfg = build(ServeConfig, from_args(AtroposSettings, serve.parse_args(["--gzip-level", "9", "--lease-s", "3"])))
+    assert (cfg.gzip_level, cfg.lease_s, cfg.batch_wait_s, cfg.consumer_name) == (9, 3.0, 1.0, "atropos-server")
+    with pytest.raises(argparse.ArgumentError, match="argument --gzip-level: 10 is above 9"):
+        serve.parse_args(["--gzip-level", "10"])
+    streams = build(StreamSettings, from_args(WorkerSettings, parse("feeder", "--read-count", "3")))
+    assert (streams.read_count, streams.max_in_flight) == (3, 16)
+
+
+def test_choices_match_the_code_that_takes_them() -> None:
+    assert get_args(WeightsSync) == ENGINES
+
+
+def test_docs_tables_are_generated_from_the_settings_classes() -> None:
+    text = docs.DOC.read_text(encoding="utf-8")
+    assert docs.render(text) == text, "docs/cli.md is out of date: run python -m pipeline.cli.docs"
+    for cls in docs.TABLES.values():
+        for name in cls.model_fields:
+            assert f"| `--{name.replace('_', '-')}` |" in text
+
+
+def test_docs_check_fails_on_a_hand_edited_table(tmp_path: Any) -> None:
+    edited = docs.DOC.read_text(encoding="utf-8").replace("| `--top-k` | `DISTILLQ_TOP_K` | 20 |",
+                                                          "| `--top-k` | `DISTILLQ_TOP_K` | 30 |")
+    path = tmp_path / "cli.md"
+    path.write_text(edited, encoding="utf-8")
+    assert docs.main(["--check", "--file", str(path)]) == 1
+    assert docs.main(["--file", str(path)]) == 0 and docs.main(["--check", "--file", str(path)]) == 0
+    assert "| `--top-k` | `DISTILLQ_TOP_K` | 20 |" in path.read_text(encoding="utf-8")
