@@ -22,7 +22,7 @@ from pipeline.rollout.students.base import GenParams, StudentBackend
 from pipeline.rollout.sync_engines import ENGINES
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import attribute, attribution
-from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name
+from pipeline.stages.lifecycle import Heartbeat, RunStats, default_consumer_name
 from pipeline.transport.jobs import JobStats, PromptJob, arq_settings, build_worker, run_worker_until
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer

@@ -34,7 +34,7 @@ from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.stages.batching import BatchingConfig, Pending, admit, build_batch, take_batch
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, load_controller
-from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name, renew_leases
+from pipeline.stages.lifecycle import Heartbeat, RunStats, default_consumer_name, renew_leases
 from pipeline.transport.claimcheck import decode_header, header_of
 from pipeline.transport.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.transport.consumer import Delivery

@@ -16,14 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
-import os
-import socket
 import time
-import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
@@ -32,6 +27,7 @@ from structlog.contextvars import bound_contextvars
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
+from pipeline.stages.lifecycle import Heartbeat, RunStats, default_consumer_name, renew_leases
 from pipeline.transport.connection import TRANSIENT, Backoff, retry_transient
 from pipeline.transport.consumer import Delivery
 from pipeline.transport.keys import Keys
@@ -42,8 +38,13 @@ from pipeline.transport.producer import (
     StreamProducer,
     is_written,
 )
-from pipeline.transport.sharding import Consumer, make_consumer
+from pipeline.transport.sharding import make_consumer
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
+
+__all__ = [  # Heartbeat, RunStats, default_consumer_name and renew_leases live in pipeline.stages.lifecycle
+    "Ack", "DeadLetter", "Emit", "Heartbeat", "Outcome", "Retry", "RunStats", "StageLogic", "StageRunner",
+    "default_consumer_name", "renew_leases",
+]
 
 log = structlog.get_logger("distillq.runloop")
 M_in = TypeVar("M_in", bound=RolloutGroup | ScoredGroup | TrainBatch, contravariant=True)
@@ -85,45 +86,6 @@ class StageLogic(Protocol[M_in]):
     name: str
 
     async def handle(self, msgs: Sequence[M_in]) -> Sequence[Outcome]: ...
-
-
-@dataclass
-class RunStats:
-    handled: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-    started: float = field(default_factory=time.time)
-
-
-def default_consumer_name(stage: str) -> str:
-    return f"{stage}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-
-
-class Heartbeat:
-    """Writes ``health:<stage>:<consumer>`` with a TTL of three intervals."""
-
-    def __init__(
-        self, redis: aioredis.Redis, key: str, interval_s: float, extra: Callable[[], dict[str, object]] | None = None
-    ) -> None:
-        self.redis, self.key, self.interval_s, self.extra = redis, key, interval_s, extra
-        self.info: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-
-    async def beat(self, **extra: object) -> None:
-        self.info.update(extra, ts=time.time())
-        await self.redis.set(self.key, json.dumps(self.info), px=int(self.interval_s * 3000))
-
-    async def run(self, stop: asyncio.Event, stats: RunStats) -> None:
-        while not stop.is_set():
-            try:
-                report = self.extra() if self.extra is not None else {}
-                await self.beat(handled=stats.handled, outcomes=dict(stats.outcomes), **report)
-            except TRANSIENT:
-                metrics.REDIS_ERRORS.labels("heartbeat").inc()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
-
-    async def clear(self) -> None:
-        with contextlib.suppress(*TRANSIENT):
-            await self.redis.delete(self.key)
 
 
 class StageRunner(Generic[M]):
@@ -357,17 +319,6 @@ class StageRunner(Generic[M]):
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
             log.warning("cancelled_in_flight", stage=self.stage, batches=len(pending))
-
-
-async def renew_leases(consumer: Consumer, claim_idle_ms: int, stage: str) -> None:
-    """Keep a consumer's in-flight entries from looking idle (so nobody reclaims them) while slow work
-    runs: resets their idle time every third of ``claim_idle_ms``. Runs until cancelled."""
-    while True:
-        await asyncio.sleep(claim_idle_ms / 3000)
-        try:
-            await consumer.touch()
-        except TRANSIENT:
-            metrics.REDIS_ERRORS.labels(stage).inc()
 
 
 async def _sleep_or_stop(stop: asyncio.Event, delay: float) -> None:

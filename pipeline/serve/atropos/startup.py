@@ -27,7 +27,7 @@ from pipeline.serve.atropos.lock import SharedLock
 from pipeline.serve.atropos.packing import scoring_completes_batch
 from pipeline.serve.atropos.queue import STAGE, AtroposQueue
 from pipeline.serve.atropos.state import AtroposState, Trainer
-from pipeline.stages.runloop import Heartbeat, RunStats
+from pipeline.stages.lifecycle import Heartbeat, RunStats
 from pipeline.transport.connection import connect, retry_transient
 from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import get_shards
