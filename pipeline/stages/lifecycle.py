@@ -119,7 +119,7 @@ class WorkerLifecycle:
         self.in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
-        self._helpers: list[asyncio.Task[None]] = []
+        self._background: list[asyncio.Task[None]] = []
 
     @property
     def stopping(self) -> bool:
@@ -127,10 +127,10 @@ class WorkerLifecycle:
 
     async def __aenter__(self) -> WorkerLifecycle:
         if self.heartbeat is not None:
-            self._helpers.append(asyncio.create_task(self.heartbeat.run(self.stop, self.stats),
+            self._background.append(asyncio.create_task(self.heartbeat.run(self.stop, self.stats),
                                                      name=f"{self.stage}-heartbeat"))
         if self.leases is not None:
-            self._helpers.append(asyncio.create_task(renew_leases(self.leases, self.claim_idle_ms, self.stage),
+            self._background.append(asyncio.create_task(renew_leases(self.leases, self.claim_idle_ms, self.stage),
                                                      name=f"{self.stage}-leases"))
         return self
 
@@ -140,10 +140,10 @@ class WorkerLifecycle:
         try:
             await self.drain()
         finally:
-            for t in self._helpers:
+            for t in self._background:
                 t.cancel()
-            await asyncio.gather(*self._helpers, return_exceptions=True)
-            self._helpers.clear()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            self._background.clear()
             if self.heartbeat is not None:
                 await self.heartbeat.clear()
 

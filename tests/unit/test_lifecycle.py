@@ -74,7 +74,7 @@ async def test_heartbeat_is_written_periodically_then_cancelled_and_deleted_on_e
     redis, stop = FakeRedis(), asyncio.Event()
     stats = RunStats(handled=3, outcomes=Counter(emitted=3))
     async with WorkerLifecycle("teacher", stop, stats, heartbeat=heartbeat(redis)) as life:
-        (beat_task,) = life._helpers
+        (beat_task,) = life._background
         first = await redis.next_write()
         assert first["handled"] == 3 and first["outcomes"] == {"emitted": 3} and first["tokens_scored"] == 7
         assert {"pid", "host", "started", "ts", "unhealthy"} <= first.keys()
@@ -83,7 +83,7 @@ async def test_heartbeat_is_written_periodically_then_cancelled_and_deleted_on_e
         second = await redis.next_write()  # the next beat carries the new figures
         assert second["handled"] == 5 and second["ts"] >= first["ts"] and second["started"] == first["started"]
         assert not beat_task.done()
-    assert beat_task.done() and not life._helpers
+    assert beat_task.done() and not life._background
     assert KEY not in redis.values and redis.deleted == [KEY]
 
 
@@ -99,7 +99,7 @@ async def test_leases_are_renewed_until_exit_and_a_redis_error_does_not_end_rene
     consumer = FakeConsumer()
     before = errors("lease-test")
     async with WorkerLifecycle("lease-test", asyncio.Event(), leases=cast(Any, consumer), claim_idle_ms=30) as life:
-        (lease_task,) = life._helpers
+        (lease_task,) = life._background
         await asyncio.wait_for(consumer.touched.wait(), 5)
     assert consumer.touches >= 2 and errors("lease-test") == before + 1
     assert lease_task.cancelled()
@@ -107,7 +107,7 @@ async def test_leases_are_renewed_until_exit_and_a_redis_error_does_not_end_rene
 
 async def test_no_heartbeat_nor_leases_unless_given() -> None:
     async with WorkerLifecycle("atropos", asyncio.Event()) as life:
-        assert life._helpers == []
+        assert life._background == []
 
 
 async def test_a_connection_error_is_counted_logged_and_backed_off_and_success_resets_the_delays() -> None:
