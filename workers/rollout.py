@@ -1,38 +1,34 @@
 """Rollout worker: arq jobs -> sampled, rewarded groups on ``rollouts``
-(``distillq worker rollout`` / ``python -m workers.rollout``)."""
+(``distillq worker rollout`` / ``python -m workers.rollout``): flags, the student backend they name, and the
+process entry point. The stage itself is ``pipeline.stages.rollout_stage``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
-import structlog
 
-from pipeline import metrics
 from pipeline.config import redis_settings_from_args
 from pipeline.flags import add_flags, build, from_args
 from pipeline.rollout.rewards import get_reward
-from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.students.base import GenParams, StudentBackend
-from pipeline.rollout.synced import SyncedStudent
-from pipeline.rollout.weight_sync import attribute, attribution
-from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name
-from pipeline.transport.jobs import JobStats, PromptJob, arq_settings, build_worker, run_worker_until
+from pipeline.stages.rollout_stage import (  # RESAMPLES, sample_attributed, keep_synced: their old import path
+    RESAMPLES,
+    RolloutConfig,
+    RolloutStage,
+    RolloutWorker,
+    keep_synced,
+    published_version,
+    sample_attributed,
+)
+from pipeline.transport.jobs import arq_settings
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import StreamProducer
-from schemas import RolloutGroup
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import RolloutSettings
 
-log = structlog.get_logger("distillq.rollout")
-#: Times a group is sampled again when the servers' weights changed while it was sampled.
-RESAMPLES = 2
+__all__ = ["RESAMPLES", "add_arguments", "keep_synced", "main", "make_backend", "sample_attributed", "serve"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,102 +64,14 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
         raise SystemExit(f"distillq worker rollout: {e}") from None
 
 
-async def sample_attributed(once: Callable[[], Awaitable[RolloutGroup]]) -> RolloutGroup | None:
-    """A group tagged with the version the servers say sampled it: sampled again up to ``RESAMPLES`` times
-    when the weights changed under it, then dropped (``None``), each counted."""
-    for attempt in range(RESAMPLES + 1):
-        with attribution() as seen:
-            group = await once()
-        got = attribute(seen)
-        if got is not None:
-            return msgspec.structs.replace(group, policy_version=got)
-        outcome = "resampled" if attempt < RESAMPLES else "dropped"
-        metrics.UNATTRIBUTED_SAMPLES.labels(outcome).inc()
-        log.warning("group_not_attributable", group_id=group.group_id, versions=seen, outcome=outcome)
-    return None
-
-
-@contextlib.asynccontextmanager
-async def keep_synced(student: SyncedStudent | None, stop: asyncio.Event) -> AsyncIterator[None]:
-    """Servers synced once before the first job, then kept on the newest version until ``stop``."""
-    if student is None:
-        yield
-        return
-    await student.start()
-    task = asyncio.create_task(student.run(stop))
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await student.aclose()
-
-
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
-    backend = make_backend(args)
-    reward = get_reward(args.reward)
-    params = build(GenParams, from_args(RolloutSettings, args))
+    cfg = RolloutConfig(group_size=args.group_size, weights_dir=args.weights_dir,
+                        params=build(GenParams, from_args(RolloutSettings, args)))
+    stage = RolloutStage(make_backend(args), get_reward(args.reward), cfg, published_version(redis, keys))
     shards, _ = await shard_plan(args, redis, keys, stop)
-    producer = StreamProducer(redis, keys, "rollouts", stream_settings(args), shards=shards)
-    name = args.consumer_name or default_consumer_name("rollout")
-    stats, job_stats = RunStats(), JobStats()
-
-    loaded: list[int] = [-1]  # version of the weights in the local model (weights-dir mode)
-    reload_lock = asyncio.Lock()
-    synced = backend if isinstance(backend, SyncedStudent) and backend.synced else None
-
-    async def current_version() -> int:
-        raw = await redis.get(keys.policy_version)
-        version = int(raw) if raw is not None else 0
-        load = getattr(backend, "load_weights", None)  # local (hf) students only
-        if not args.weights_dir or load is None:
-            return version  # a server's weights follow the published version
-        async with reload_lock:
-            if version > loaded[0]:
-                got = await load(args.weights_dir)
-                if got is not None:
-                    loaded[0] = got
-                    log.info("weights_reloaded", version=got)
-        return max(loaded[0], 0)
-
-    async def sample(job: PromptJob, epoch: int) -> RolloutGroup | None:
-        prompt: Any = job.messages if job.messages is not None else job.prompt
-
-        async def once() -> RolloutGroup:
-            return await sample_group(
-                backend, prompt, group_size=args.group_size,
-                params=params, reward_fn=reward, answer=job.answer, group_id=f"{epoch}:{job.id}", env_id=job.env_id,
-                task_id=job.task_id, policy_version=await current_version() if synced is None else 0,
-                group_overrides=job.group_overrides, metadata=job.metadata,
-            )
-
-        return await once() if synced is None else await sample_attributed(once)
-
-    async def rollout(job: PromptJob, epoch: int) -> str:
-        group = await sample(job, epoch)
-        if group is None:
-            return f"{epoch}:{job.id}"
-        version = group.policy_version
-        added = await producer.send(group, stop=stop)  # waits while the pipeline is full
-        stats.handled += 1
-        stats.outcomes[added.result.value] += 1
-        log.info("group_pushed", group_id=group.group_id, policy_version=version, result=added.result.value)
-        return group.group_id
-
-    worker = build_worker(redis_settings_from_args(args), keys, rollout, max_jobs=args.max_jobs, burst=args.burst,
-                          stats=job_stats)
-    heartbeat = Heartbeat(redis, keys.heartbeat("rollout", name), stream_settings(args).heartbeat_interval_s)
-    hb = asyncio.create_task(heartbeat.run(stop, stats))
-    try:
-        async with keep_synced(synced, stop):
-            await run_worker_until(worker, stop, grace_s=stream_settings(args).shutdown_grace_s)
-    finally:
-        hb.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await hb
-        await heartbeat.clear()
-        log.info("rollout_worker_stopped", groups=stats.handled, failed_jobs=job_stats.failed)
+    worker = RolloutWorker(redis, keys, stage, redis_settings_from_args(args), stream_settings(args),
+                           consumer_name=args.consumer_name, shards=shards, max_jobs=args.max_jobs, burst=args.burst)
+    await worker.run(stop)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -59,7 +59,7 @@ from pipeline.learner.parts import (
 )
 from pipeline.learner.ranks import RankGroup
 from pipeline.stages.batching import materialize
-from pipeline.stages.runloop import renew_leases
+from pipeline.stages.lifecycle import renew_leases
 from pipeline.transport.connection import connect, is_cluster_client, retry_transient
 from pipeline.transport.consumer import Delivery, StreamConsumer, dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys

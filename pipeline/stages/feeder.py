@@ -14,6 +14,8 @@ after each batch so a restarted feeder continues where the last one stopped.
 Before a batch is written, its groups' entries are checked to be still pending to this feeder: a Redis
 restarted from an AOF without its last second (a host crash under ``appendfsync everysec``) may not have
 them, nor their payload keys (docs/reliability.md, section 2).
+
+The heartbeat, lease renewal and Redis back-off around the loop are ``pipeline.stages.lifecycle``'s.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.stages.batching import BatchingConfig, Pending, admit, build_batch, take_batch
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, load_controller
-from pipeline.stages.runloop import Heartbeat, RunStats, default_consumer_name, renew_leases
+from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
 from pipeline.transport.claimcheck import decode_header, header_of
-from pipeline.transport.connection import TRANSIENT, Backoff, retry_transient
+from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import (
@@ -131,42 +133,37 @@ class Feeder:
         s = self.settings
         await retry_transient(self.consumer.ensure_group, stop=stop)
         await retry_transient(self.restore_controller, stop=stop)
-        hb = asyncio.create_task(self.heartbeat.run(stop, self.state.stats))
-        lease = asyncio.create_task(renew_leases(self.consumer, s.claim_idle_ms, "feeder"))
-        backoff = Backoff()
+        life = WorkerLifecycle("feeder", stop, self.state.stats, heartbeat=self.heartbeat, leases=self.consumer,
+                               claim_idle_ms=s.claim_idle_ms, grace_s=s.shutdown_grace_s)
         written = 0
-        log.info("feeder_started", consumer=self.name, config=self.cfg)
         try:
-            while not stop.is_set() and (max_batches is None or written < max_batches):
-                free = self.max_buffered - len(self.state.buffer)
-                try:
-                    want = min(free, s.read_count)
-                    got = await self.consumer.read(want, block_ms=min(s.block_ms, 250)) if want else []
-                    backoff.reset()
-                except TRANSIENT as e:
-                    metrics.REDIS_ERRORS.labels("feeder").inc()
-                    await _sleep(stop, backoff.next_delay(), e)
-                    continue
-                # Entries read are ours now: nothing may fail between here and their admission, or they
-                # would sit in ``owned`` (their leases renewed, skipped by reclaim) and never be batched.
-                await self._refresh_version()
-                for d in got:
-                    await self._admit(d)
-                drained = burst and not got and await self._input_drained()
-                while (items := take_batch(self.state.buffer, self.cfg, flush=drained)) is not None:
-                    if not await self._write(items, stop):
+            async with life:
+                log.info("feeder_started", consumer=self.name, config=self.cfg)
+                while not stop.is_set() and (max_batches is None or written < max_batches):
+                    free = self.max_buffered - len(self.state.buffer)
+                    try:
+                        want = min(free, s.read_count)
+                        got = await self.consumer.read(want, block_ms=min(s.block_ms, 250)) if want else []
+                        life.ok()
+                    except TRANSIENT as e:
+                        await life.redis_error(e)
+                        continue
+                    # Entries read are ours now: nothing may fail between here and their admission, or they
+                    # would sit in ``owned`` (their leases renewed, skipped by reclaim) and never be batched.
+                    await self._refresh_version()
+                    for d in got:
+                        await self._admit(d)
+                    drained = burst and not got and await self._input_drained()
+                    while (items := take_batch(self.state.buffer, self.cfg, flush=drained)) is not None:
+                        if not await self._write(items, stop):
+                            break
+                        written += 1
+                        if max_batches is not None and written >= max_batches:
+                            break
+                    if drained and not self.state.buffer:
                         break
-                    written += 1
-                    if max_batches is not None and written >= max_batches:
-                        break
-                if drained and not self.state.buffer:
-                    break
-        finally:
-            hb.cancel()
-            lease.cancel()
-            await asyncio.gather(hb, lease, return_exceptions=True)
             # Buffered groups stay pending (unacked): a restarted feeder gets them again.
-            await self.heartbeat.clear()
+        finally:
             log.info("feeder_stopped", batches=written, buffered=len(self.state.buffer),
                      outcomes=dict(self.state.stats.outcomes))
         return self.state.stats
@@ -318,10 +315,3 @@ class Feeder:
         self.state.stats.handled += n
         self.state.stats.outcomes[outcome] += n
         metrics.STAGE_MESSAGES.labels("feeder", outcome).inc(n)
-
-
-
-async def _sleep(stop: asyncio.Event, delay: float, error: BaseException) -> None:
-    log.warning("redis_unavailable", stage="feeder", error=str(error), retry_in=round(delay, 2))
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), delay)

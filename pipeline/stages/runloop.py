@@ -4,7 +4,8 @@ Shape: a stop ``asyncio.Event``; reads never ask for more than the free in-fligh
 batch is handled by the stage's pure logic (``StageLogic.handle``) in its own task; outputs are
 written (idempotently, with backpressure) before inputs are acknowledged; a heartbeat key shows
 health; on stop, reading ends, in-flight work gets ``shutdown_grace_s`` to finish, and whatever is
-still running is cancelled and stays pending for another consumer to reclaim.
+still running is cancelled and stays pending for another consumer to reclaim (the heartbeat, lease
+renewal, back-off and shutdown are ``pipeline.stages.lifecycle.WorkerLifecycle``'s; the loop body is here).
 
 Failure handling: an undecodable entry goes to the DLQ at once; an exception in stage logic leaves
 the batch pending (it is redelivered after ``claim_idle_ms`` and dead-lettered after
@@ -14,16 +15,10 @@ the batch pending (it is redelivered after ``claim_idle_ms`` and dead-lettered a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import json
-import os
-import socket
 import time
-import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
@@ -32,7 +27,8 @@ from structlog.contextvars import bound_contextvars
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
-from pipeline.transport.connection import TRANSIENT, Backoff, retry_transient
+from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name, renew_leases
+from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import (
@@ -42,8 +38,13 @@ from pipeline.transport.producer import (
     StreamProducer,
     is_written,
 )
-from pipeline.transport.sharding import Consumer, make_consumer
+from pipeline.transport.sharding import make_consumer
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
+
+__all__ = [  # Heartbeat, RunStats, default_consumer_name and renew_leases live in pipeline.stages.lifecycle
+    "Ack", "DeadLetter", "Emit", "Heartbeat", "Outcome", "Retry", "RunStats", "StageLogic", "StageRunner",
+    "default_consumer_name", "renew_leases",
+]
 
 log = structlog.get_logger("distillq.runloop")
 M_in = TypeVar("M_in", bound=RolloutGroup | ScoredGroup | TrainBatch, contravariant=True)
@@ -87,45 +88,6 @@ class StageLogic(Protocol[M_in]):
     async def handle(self, msgs: Sequence[M_in]) -> Sequence[Outcome]: ...
 
 
-@dataclass
-class RunStats:
-    handled: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-    started: float = field(default_factory=time.time)
-
-
-def default_consumer_name(stage: str) -> str:
-    return f"{stage}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-
-
-class Heartbeat:
-    """Writes ``health:<stage>:<consumer>`` with a TTL of three intervals."""
-
-    def __init__(
-        self, redis: aioredis.Redis, key: str, interval_s: float, extra: Callable[[], dict[str, object]] | None = None
-    ) -> None:
-        self.redis, self.key, self.interval_s, self.extra = redis, key, interval_s, extra
-        self.info: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-
-    async def beat(self, **extra: object) -> None:
-        self.info.update(extra, ts=time.time())
-        await self.redis.set(self.key, json.dumps(self.info), px=int(self.interval_s * 3000))
-
-    async def run(self, stop: asyncio.Event, stats: RunStats) -> None:
-        while not stop.is_set():
-            try:
-                report = self.extra() if self.extra is not None else {}
-                await self.beat(handled=stats.handled, outcomes=dict(stats.outcomes), **report)
-            except TRANSIENT:
-                metrics.REDIS_ERRORS.labels("heartbeat").inc()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
-
-    async def clear(self) -> None:
-        with contextlib.suppress(*TRANSIENT):
-            await self.redis.delete(self.key)
-
-
 class StageRunner(Generic[M]):
     """Runs ``logic`` over ``input_stream``, writing outcomes to ``output_stream``."""
 
@@ -156,51 +118,47 @@ class StageRunner(Generic[M]):
         self.stats = RunStats()
         self.heartbeat = Heartbeat(redis, keys.heartbeat(self.stage, self.name), s.heartbeat_interval_s,
                                    getattr(logic, "report", None))
-        self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._slot_freed = asyncio.Event()
+        self._life: WorkerLifecycle | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Messages being handled now."""
+        return self._life.in_flight if self._life is not None else 0
 
     async def run(self, stop: asyncio.Event, *, burst: bool = False, max_messages: int | None = None) -> RunStats:
         """Consume until ``stop`` is set (or, with ``burst``, until the input is drained)."""
         s = self.settings
         await retry_transient(self.consumer.ensure_group, stop=stop)
         log.info("stage_started", stage=self.stage, consumer=self.name, stream=self.consumer.stream, burst=burst)
-        hb = asyncio.create_task(self.heartbeat.run(stop, self.stats))
-        lease = asyncio.create_task(renew_leases(self.consumer, s.claim_idle_ms, self.stage))
-        backoff = Backoff()
+        self._life = life = WorkerLifecycle(self.stage, stop, self.stats, heartbeat=self.heartbeat,
+                                            leases=self.consumer, claim_idle_ms=s.claim_idle_ms,
+                                            grace_s=s.shutdown_grace_s)
         try:
-            while not stop.is_set():
-                if max_messages is not None and self.stats.handled + self._in_flight >= max_messages:
-                    if not self._in_flight:
+            async with life:
+                while not stop.is_set():
+                    if max_messages is not None and self.stats.handled + life.in_flight >= max_messages:
+                        if not life.in_flight:
+                            break
+                        await life.wait_slot()
+                        continue
+                    free = s.max_in_flight - life.in_flight
+                    if free <= 0:
+                        await life.wait_slot()
+                        continue
+                    want = min(free, s.read_count)
+                    if max_messages is not None:
+                        want = min(want, max_messages - self.stats.handled - life.in_flight)
+                    try:
+                        batch = await self.consumer.read(want, block_ms=min(s.block_ms, 200) if burst else None)
+                        life.ok()
+                    except TRANSIENT as e:
+                        await life.redis_error(e)
+                        continue
+                    if batch:
+                        life.spawn(self._process(batch, stop), len(batch))
+                    elif burst and not life.in_flight and await self._drained(stop):
                         break
-                    await self._wait_slot(stop)
-                    continue
-                free = s.max_in_flight - self._in_flight
-                if free <= 0:
-                    await self._wait_slot(stop)
-                    continue
-                want = min(free, s.read_count)
-                if max_messages is not None:
-                    want = min(want, max_messages - self.stats.handled - self._in_flight)
-                try:
-                    batch = await self.consumer.read(want, block_ms=min(s.block_ms, 200) if burst else None)
-                    backoff.reset()
-                except TRANSIENT as e:
-                    metrics.REDIS_ERRORS.labels(self.stage).inc()
-                    delay = backoff.next_delay()
-                    log.warning("redis_unavailable", stage=self.stage, error=str(e), retry_in=round(delay, 2))
-                    await _sleep_or_stop(stop, delay)
-                    continue
-                if batch:
-                    self._spawn(batch, stop)
-                elif burst and not self._in_flight and await self._drained(stop):
-                    break
         finally:
-            await self._shutdown(stop)
-            hb.cancel()
-            lease.cancel()
-            await asyncio.gather(hb, lease, return_exceptions=True)
-            await self.heartbeat.clear()
             log.info("stage_stopped", stage=self.stage, consumer=self.name, handled=self.stats.handled,
                      outcomes=dict(self.stats.outcomes))
         return self.stats
@@ -210,30 +168,6 @@ class StageRunner(Generic[M]):
             return await self.consumer.pending_count() == 0 and await self.consumer.backlog() == 0
         except TRANSIENT:
             return False
-
-    async def _wait_slot(self, stop: asyncio.Event) -> None:
-        self._slot_freed.clear()
-        waiter = asyncio.create_task(stop.wait())
-        slot = asyncio.create_task(self._slot_freed.wait())
-        await asyncio.wait({waiter, slot}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        slot.cancel()
-
-    def _spawn(self, batch: list[Delivery], stop: asyncio.Event) -> None:
-        self._in_flight += len(batch)
-        metrics.IN_FLIGHT.labels(self.stage).set(self._in_flight)
-        task = asyncio.create_task(self._process(batch, stop))
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._tasks.discard(t)
-            self._in_flight -= len(batch)
-            metrics.IN_FLIGHT.labels(self.stage).set(self._in_flight)
-            self._slot_freed.set()
-            if not t.cancelled() and t.exception() is not None:
-                log.error("batch_failed", stage=self.stage, exc_info=t.exception())
-
-        task.add_done_callback(done)
 
     async def _process(self, batch: list[Delivery], stop: asyncio.Event) -> None:
         try:
@@ -345,31 +279,3 @@ class StageRunner(Generic[M]):
         self.stats.handled += n
         self.stats.outcomes[outcome] += n
         metrics.STAGE_MESSAGES.labels(self.stage, outcome).inc(n)
-
-    async def _shutdown(self, stop: asyncio.Event) -> None:
-        if not self._tasks:
-            return
-        grace = self.settings.shutdown_grace_s
-        log.info("draining", stage=self.stage, in_flight=self._in_flight, grace_s=grace)
-        _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-            log.warning("cancelled_in_flight", stage=self.stage, batches=len(pending))
-
-
-async def renew_leases(consumer: Consumer, claim_idle_ms: int, stage: str) -> None:
-    """Keep a consumer's in-flight entries from looking idle (so nobody reclaims them) while slow work
-    runs: resets their idle time every third of ``claim_idle_ms``. Runs until cancelled."""
-    while True:
-        await asyncio.sleep(claim_idle_ms / 3000)
-        try:
-            await consumer.touch()
-        except TRANSIENT:
-            metrics.REDIS_ERRORS.labels(stage).inc()
-
-
-async def _sleep_or_stop(stop: asyncio.Event, delay: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), delay)

@@ -160,18 +160,30 @@ def build_worker(
     )
 
 
-async def run_worker_until(worker: Worker, stop: asyncio.Event, grace_s: float = 30.0) -> None:
-    """Run ``worker`` until it finishes (burst) or ``stop`` is set; in-flight jobs get ``grace_s``."""
-    main = asyncio.create_task(worker.async_run())
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({main, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    if not main.done():
-        worker.allow_pick_jobs = False  # what arq's own graceful handler does: take no new jobs
-        log.info("rollout_worker_draining", grace_s=grace_s, in_flight=len(worker.tasks))
-        deadline = asyncio.get_running_loop().time() + grace_s
-        while any(not t.done() for t in worker.tasks.values()) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.1)  # arq exposes no completion event; poll its task table briefly
-        main.cancel()
-        await asyncio.gather(main, return_exceptions=True)
-    await worker.close()
+class JobWorker:
+    """An arq worker driven by its caller's lifecycle (``pipeline.stages.lifecycle``): ``start`` it, ``stop_taking``
+    new jobs, give its ``in_flight`` jobs time to finish, then ``close`` it (what still runs is cancelled)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.main: asyncio.Task[None] | None = None
+
+    def start(self) -> asyncio.Task[None]:
+        """Run the worker (until its queue is drained with ``burst``, else until ``close``)."""
+        self.main = asyncio.create_task(self.worker.async_run(), name="arq-worker")
+        return self.main
+
+    def stop_taking(self) -> None:
+        self.worker.allow_pick_jobs = False  # what arq's own graceful handler does: take no new jobs
+
+    @property
+    def in_flight(self) -> list[asyncio.Task[Any]]:
+        """The job tasks arq holds (finished ones until its next poll)."""
+        return list(self.worker.tasks.values())
+
+    async def close(self) -> None:
+        """Stop the worker if it still runs, cancel the jobs still running, close its connections."""
+        if self.main is not None and not self.main.done():
+            self.main.cancel()
+            await asyncio.gather(self.main, return_exceptions=True)
+        await self.worker.close()

@@ -371,6 +371,23 @@ def test_lease_redelivers_an_unacked_batch_and_ack_settles_it(redis_url: str, ke
         assert dlq[0][1][b"stage"] == b"atropos" and dlq[0][1][b"orig_d"]  # the payload, replayable onto scored
 
 
+def test_the_server_heartbeats_while_it_runs_and_not_after_it_stopped(redis_url: str, keys: Keys) -> None:
+    """The mover writes the replica's heartbeat (``distillq stats``, ``--check`` read it); shutdown removes it."""
+
+    def beats(r: redis.Redis) -> list[bytes]:
+        return list(r.scan_iter(match=keys.heartbeat_pattern("atropos")))
+
+    with Stack(redis_url, keys) as s:
+        wait_for(lambda: bool(beats(s.r)), what="the server's heartbeat")
+        (key,) = beats(s.r)
+        info = json.loads(s.r.get(key))
+        assert info["pid"] == os.getpid() and info["handled"] == 0 and info["outcomes"] == {}
+        assert 0 < s.r.pttl(key) <= FAST.heartbeat_interval_s * 3000
+    r = redis.Redis.from_url(redis_url)
+    assert beats(r) == []
+    r.close()
+
+
 def test_oversize_groups_are_dead_lettered_instead_of_blocking(stack: Stack) -> None:
     stack.post("/scored_data", group(n=3, seed=1))  # before the trainer registers: queued
     stack.wait_queued(1)

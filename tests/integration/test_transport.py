@@ -236,7 +236,7 @@ async def test_graceful_stop_leaves_unfinished_work_pending(r: aioredis.Redis, k
     runner = StageRunner(r, keys, Slow(), RolloutGroup, "rollouts", "scored", s, consumer_name="w")
     task = asyncio.create_task(runner.run(stop))
     for _ in range(100):
-        if runner._in_flight:
+        if runner.in_flight:
             break
         await asyncio.sleep(0.02)
     stop.set()

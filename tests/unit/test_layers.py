@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline.teacher": {"schemas", "pipeline.base", "pipeline.models"},
     "pipeline.rollout": {"schemas", "pipeline.base", "pipeline.models"},
     "pipeline.transport": {"schemas", "pipeline.base"},
-    "pipeline.stages": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.teacher"},
+    "pipeline.stages": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.teacher", "pipeline.rollout"},
     "pipeline.learner": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.models"},
     "pipeline.serve": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.rollout", "pipeline.models", "pipeline.learner",

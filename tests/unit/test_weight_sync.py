@@ -28,8 +28,8 @@ from pipeline.rollout.weight_sync import (
     request_version,
     retry_delay_s,
 )  # fmt: skip
+from pipeline.stages.rollout_stage import RESAMPLES, sample_attributed
 from tests.stubs.sync_stub import SGLangSyncStub, VLLMSyncStub
-from workers.rollout import RESAMPLES, sample_attributed
 
 NAME = "tiny-student"
 

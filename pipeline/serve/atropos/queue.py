@@ -25,7 +25,6 @@ leased ``max_deliveries`` times without an ack.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -41,8 +40,9 @@ from pipeline.config import StreamSettings
 from pipeline.serve.atropos.packing import Queued, minimum_sequences, pick_batch
 from pipeline.serve.atropos.queue_scripts import COMMIT, ENQUEUE, RECOUNT, REMOVE
 from pipeline.serve.atropos.state import AtroposState, Trainer, env_field, env_of
+from pipeline.stages.lifecycle import Heartbeat, WorkerLifecycle
 from pipeline.transport.claimcheck import decode_header
-from pipeline.transport.connection import TRANSIENT, Backoff, is_cluster_client
+from pipeline.transport.connection import TRANSIENT, is_cluster_client
 from pipeline.transport.consumer import Delivery, dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_ID, F_REF, F_TYPE
@@ -97,30 +97,30 @@ class AtroposQueue:
 
     # ---- scored -> queue ----------------------------------------------------------------------------------
 
-    async def run_mover(self, stop: asyncio.Event) -> None:
-        """Move scored groups onto the queue until ``stop``; survives Redis outages (retries with backoff)."""
-        backoff, reconciled, ready = Backoff(), time.monotonic(), False
-        while not stop.is_set():
-            try:
-                if not ready:
-                    await self.consumer.ensure_group()
-                    await self._recount(keys=[self.k_counts, self.k_queue, self.k_front])
-                    ready = True
-                for d in await self.consumer.read(self.settings.read_count, block_ms=min(self.settings.block_ms, 500)):
-                    await self.move(d)
-                if time.monotonic() - reconciled > RECONCILE_S:
-                    reconciled = time.monotonic()
-                    await self.state.reconcile_inflight()
-                backoff.reset()
-                continue
-            except TRANSIENT as e:
-                metrics.REDIS_ERRORS.labels(STAGE).inc()
-                log.warning("redis_unavailable", stage=STAGE, error=str(e))
-            except Exception as e:  # never die silently: a stopped mover would starve every trainer
-                ready = ready and "NOGROUP" not in str(e)  # the stream was deleted: create its group again
-                log.error("mover_error", stage=STAGE, error=f"{type(e).__name__}: {e}")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff.next_delay())
+    async def run_mover(self, stop: asyncio.Event, heartbeat: Heartbeat | None = None) -> None:
+        """Move scored groups onto the queue until ``stop``; survives Redis outages (retries with backoff).
+        ``heartbeat`` (the replica's) is written while the mover runs and deleted when it ends."""
+        reconciled, ready = time.monotonic(), False
+        async with WorkerLifecycle(STAGE, stop, heartbeat=heartbeat, grace_s=self.settings.shutdown_grace_s) as life:
+            while not stop.is_set():
+                try:
+                    if not ready:
+                        await self.consumer.ensure_group()
+                        await self._recount(keys=[self.k_counts, self.k_queue, self.k_front])
+                        ready = True
+                    for d in await self.consumer.read(self.settings.read_count,
+                                                      block_ms=min(self.settings.block_ms, 500)):
+                        await self.move(d)
+                    if time.monotonic() - reconciled > RECONCILE_S:
+                        reconciled = time.monotonic()
+                        await self.state.reconcile_inflight()
+                    life.ok()
+                except TRANSIENT as e:
+                    await life.redis_error(e)
+                except Exception as e:  # never die silently: a stopped mover would starve every trainer
+                    ready = ready and "NOGROUP" not in str(e)  # the stream was deleted: create its group again
+                    log.error("mover_error", stage=STAGE, error=f"{type(e).__name__}: {e}")
+                    await life.pause()
 
     async def move(self, d: Delivery) -> str:
         """One scored entry onto the queue: ``queued``, ``duplicate``, ``discarded`` or ``dead_letter``."""

@@ -27,7 +27,7 @@ from pipeline.serve.atropos.lock import SharedLock
 from pipeline.serve.atropos.packing import scoring_completes_batch
 from pipeline.serve.atropos.queue import STAGE, AtroposQueue
 from pipeline.serve.atropos.state import AtroposState, Trainer
-from pipeline.stages.runloop import Heartbeat, RunStats
+from pipeline.stages.lifecycle import Heartbeat
 from pipeline.transport.connection import connect, retry_transient
 from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import get_shards
@@ -112,7 +112,7 @@ class Server:
 
 
 async def open_server(cfg: ServeConfig, stop: asyncio.Event) -> tuple[Server, list[asyncio.Task[Any]]]:
-    """Connect, read the shard count, and start the mover and the heartbeat."""
+    """Connect, read the shard count, and start the mover (which writes the replica's heartbeat)."""
     redis = connect(cfg.redis)
     keys = Keys(cfg.redis.namespace)
     shards = await retry_transient(lambda: get_shards(redis, keys), deadline_s=60)
@@ -124,8 +124,7 @@ async def open_server(cfg: ServeConfig, stop: asyncio.Event) -> tuple[Server, li
     server = Server(cfg, redis, keys, state, queue, ingest, lock=SharedLock(redis, keys.atropos("lock")),
                     replica=replica)
     beat = Heartbeat(redis, keys.heartbeat(STAGE, replica), cfg.streams.heartbeat_interval_s)
-    tasks = [asyncio.create_task(queue.run_mover(stop), name="atropos-mover"),
-             asyncio.create_task(beat.run(stop, RunStats()), name="atropos-heartbeat")]
+    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(queue.run_mover(stop, beat), name="atropos-mover")]
     log.info("atropos_server_ready", namespace=keys.namespace, shards=shards, consumer=cfg.consumer_name,
              replica=replica)
     return server, tasks
