@@ -16,6 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline.errors import DistillqError
 from pipeline.transport.connection import redis_error_line
 
 #: Exit statuses every command shares (docs/cli.md, "Exit status").
@@ -27,7 +28,7 @@ EXIT_INTERRUPTED: Final = 130  # Ctrl-C or SIGTERM
 REDIS_ERRORS: Final = (RedisConnectionError, RedisTimeoutError, RedisClusterException, ResponseError)
 
 
-class CliError(Exception):
+class CliError(DistillqError):
     """A failure the user can act on: printed as ``distillq: MESSAGE``, exits with ``status``."""
 
     def __init__(self, message: str, status: int = EXIT_FAILED) -> None:
