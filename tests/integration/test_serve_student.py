@@ -27,10 +27,10 @@ import torch
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
+from pipeline.cli.commands.serve_student import add_student_arguments, run_student
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.serve.student.app import create_app
-from pipeline.serve.student.command import add_student_arguments, run_student
 from pipeline.serve.student.service import ServeConfig, StudentService
 from pipeline.serve.student.sessions import GroupAssembler, SessionStore
 from pipeline.transport.keys import Keys
@@ -51,13 +51,13 @@ async def read_groups(r: aioredis.Redis, keys: Keys) -> list[RolloutGroup]:
 
 
 class StudentProcess:
-    """``python -m pipeline.serve.student.command`` on a free port of 127.0.0.1, stopped by its pid."""
+    """``python -m pipeline.cli.commands.serve_student`` on a free port of 127.0.0.1, stopped by its pid."""
 
     def __init__(self, redis_url: str, namespace: str, workdir: Path, *extra: str) -> None:
         self.port_file = workdir / "port"
         self.log = workdir / "student.log"
         self.args = [
-            sys.executable, "-m", "pipeline.serve.student.command", "--backend", "hf",
+            sys.executable, "-m", "pipeline.cli.commands.serve_student", "--backend", "hf",
             "--model", str(ensure_tiny_models().student), "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", "0", "--port-file", str(self.port_file),
             "--redis-url", redis_url, "--namespace", namespace, *extra,
@@ -563,8 +563,8 @@ def test_cli_backend_errors_exit_2_and_an_unreachable_redis_exits_3(
 async def test_the_vllm_client_is_closed_when_the_server_stops(
     hf_student: HFStudent, redis_url: str, keys: Keys
 ) -> None:
+    from pipeline.cli.commands.serve_student import _serve
     from pipeline.rollout.students.vllm import VLLMStudent
-    from pipeline.serve.student.command import _serve
 
     failing = httpx.MockTransport(lambda _: httpx.Response(500))
     backend = VLLMStudent("http://vllm:8000", "student", hf_student.tokenizer, transport=failing)

@@ -71,7 +71,7 @@ def run_atropos(args: argparse.Namespace) -> int:
 
 
 def add_student(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from pipeline.serve.student.command import add_student_arguments, run_student
+    from pipeline.cli.commands.serve_student import add_student_arguments, run_student
 
     p = add_command(servers, "student", "a verifiers-compatible student endpoint that records each rollout",
                     "Serves /inference/v1/generate, /v1/chat/completions and /v1/models as verifiers 0.4 calls them; "

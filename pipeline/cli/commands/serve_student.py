@@ -9,7 +9,7 @@ Hook it into a ``serve`` subcommand parser with::
     add_student_arguments(p)
     p.set_defaults(func=run_student)
 
-``python -m pipeline.serve.student.command ARGS`` runs it without the ``distillq`` entry point. Either way a
+``python -m pipeline.cli.commands.serve_student ARGS`` runs it without the ``distillq`` entry point. Either way a
 failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit status docs/cli.md
 gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be reached, 1 when
 the port cannot be bound. ``run_student`` prints it itself (the serve layer does not import the CLI's).
