@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Callable
 
 import structlog
 
 from pipeline.cli.commands.common import add_command, env_default
+from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 
 
@@ -57,9 +57,8 @@ def run_atropos(args: argparse.Namespace) -> int:
     from pipeline.serve.atropos.startup import ServeConfig
 
     if not (math.isfinite(args.batch_wait_s) and 0 <= args.batch_wait_s <= 60):
-        print(f"distillq: --batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
-              file=sys.stderr)
-        return 2
+        raise CliError(f"--batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
+                       EXIT_USAGE)
     cfg = ServeConfig(redis=redis_settings_from_args(args), streams=StreamSettings(), lease_s=args.lease_s,
                       consumer_name=args.consumer_name, gzip_level=args.gzip_level, batch_wait_s=args.batch_wait_s)
     run(ensure_reachable(cfg.redis))  # Redis away: one line and exit status 3, not a traceback after retries
