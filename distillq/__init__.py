@@ -1,5 +1,6 @@
 """distillq's public API in one import: the learner client, ``to_torch``, the losses, the producer SDK, the
-verifiers converter, weight publishing and the wire messages.
+verifiers converter, weight publishing, the wire messages and the exceptions (``except distillq.DistillqError``
+catches every failure distillq raises on purpose).
 
 Every name is the object of its home module, re-exported as it is (same object, same signature):
 
@@ -14,6 +15,8 @@ the losses                                       ``pipeline.learner.losses``
 ``GroupProducer``, ``AsyncGroupProducer``        ``pipeline.transport.sdk``
 ``groups_from_traces``                           ``pipeline.serve.student`` (verifiers' records as groups)
 the wire messages, ``encode``, ``decode``        ``schemas``
+the exceptions: ``DistillqError``, its families  ``pipeline.errors`` (the families; each class from the
+and every class under them                       module that raises it, table in ``pipeline.errors``)
 =============================================  ======================================================
 
 Torch is needed only by ``to_torch``, ``TorchBatch`` and the losses: they load on first use, so
@@ -25,12 +28,36 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pipeline.cli.errors import CliError
+from pipeline.errors import (
+    ApiError,
+    BackendError,
+    ConfigurationError,
+    DistillqError,
+    LearnerError,
+    TransportError,
+    WireFormatError,
+)
 from pipeline.learner.batch import LearnerBatch
+from pipeline.learner.checks import LearnerConnectionError
 from pipeline.learner.client import AsyncLearner, Learner
 from pipeline.learner.publish import publish_weights
+from pipeline.learner.ranks import RankTakenOver
+from pipeline.models.realpair import RealPairUnavailable
+from pipeline.models.weights import CheckpointError
+from pipeline.rollout.students.base import StudentBackendError
+from pipeline.rollout.sync_engines import EngineError
+from pipeline.serve.student.service import ServeError
+from pipeline.serve.student.validation import RequestError
 from pipeline.serve.student.verifiers import groups_from_traces
+from pipeline.teacher.base import TeacherConfigError
+from pipeline.teacher.vllm_engine_proc import HookMissing
+from pipeline.teacher.vocab import VocabMismatchError
+from pipeline.transport.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped
 from pipeline.transport.sdk import AsyncGroupProducer, GroupProducer
+from pipeline.transport.sharding import ShardConfigError
 from schemas import (
+    ArrayError,
     BatchManifest,
     DecodeError,
     DistillStatus,
@@ -91,24 +118,48 @@ _TORCH: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [
+    "ApiError",
+    "ArrayError",
     "AsyncGroupProducer",
     "AsyncLearner",
+    "BackendError",
+    "BackpressureTimeout",
     "BatchManifest",
+    "CheckpointError",
+    "CliError",
+    "ConfigurationError",
     "DecodeError",
     "DistillStatus",
+    "DistillqError",
+    "EngineError",
     "GroupHeader",
     "GroupProducer",
     "GroupRef",
+    "HookMissing",
     "Learner",
     "LearnerBatch",
+    "LearnerConnectionError",
+    "LearnerError",
     "Limits",
     "Message",
+    "MessageTooLarge",
+    "ProducerStopped",
+    "RankTakenOver",
+    "RealPairUnavailable",
+    "RequestError",
     "RolloutGroup",
     "ScoredGroup",
     "Sequence",
+    "ServeError",
+    "ShardConfigError",
+    "StudentBackendError",
+    "TeacherConfigError",
     "TeacherPayload",
     "TorchBatch",
     "TrainBatch",
+    "TransportError",
+    "VocabMismatchError",
+    "WireFormatError",
     "chunked_generalized_jsd",
     "chunked_importance_sampled_pg_loss",
     "chunked_token_logprobs",

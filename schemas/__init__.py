@@ -2,6 +2,7 @@
 
 from schemas.arrays import FLOAT16, FLOAT16_MAX_RELATIVE_ERROR, FLOAT32, INT32, UINT8, Array, ArrayError
 from schemas.codec import decode, encode
+from schemas.errors import DistillqError, WireFormatError
 from schemas.messages import (
     SCHEMA_VERSION,
     BatchManifest,
@@ -29,6 +30,7 @@ __all__ = [
     "BatchManifest",
     "DecodeError",
     "DistillStatus",
+    "DistillqError",
     "GroupHeader",
     "GroupRef",
     "Limits",
@@ -38,6 +40,7 @@ __all__ = [
     "Sequence",
     "TeacherPayload",
     "TrainBatch",
+    "WireFormatError",
     "decode",
     "encode",
 ]

@@ -13,6 +13,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from schemas.errors import WireFormatError
+
 #: dtypes allowed on the wire (always little-endian, see ``ALLOWED``).
 INT32: Final = "<i4"
 FLOAT32: Final = "<f4"
@@ -29,7 +31,7 @@ FLOAT16_MAX_RELATIVE_ERROR: Final = 2.0**-11
 FLOAT16_MIN_LOGPROB: Final = -65504.0
 
 
-class ArrayError(ValueError):
+class ArrayError(WireFormatError, ValueError):
     """An array on the wire is malformed (dtype, shape and byte length disagree)."""
 
 

@@ -30,6 +30,7 @@ from schemas.arrays import (
     Array,
     ArrayError,
 )
+from schemas.errors import WireFormatError
 from schemas.messages import (
     SCHEMA_VERSION,
     BatchManifest,
@@ -63,7 +64,7 @@ _Convention = tuple[str, npt.NDArray[np.generic], npt.NDArray[np.generic], npt.N
                     npt.NDArray[np.generic], npt.NDArray[np.generic] | None]
 
 
-class DecodeError(ValueError):
+class DecodeError(WireFormatError, ValueError):
     """A message is not a valid distillq message. ``field`` names where it went wrong."""
 
     def __init__(self, field: str, reason: str) -> None:

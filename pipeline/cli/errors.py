@@ -1,14 +1,17 @@
 """What a failed ``distillq`` command prints: one line on stderr, and the exit status docs/cli.md gives for it.
 
-``main`` catches these in one place: a ``CliError`` a command raised on purpose (an unreadable input file,
-an empty one), a Redis that cannot be reached or replies with an error, an invalid setting. Anything else
-is a bug and keeps its traceback.
+``run_command`` runs a parsed command and catches these in one place: a ``CliError`` a command raised on
+purpose (an unreadable input file, an empty one, a flag that cannot be used), a Redis that cannot be reached
+or replies with an error, an invalid setting. Anything else is a bug and keeps its traceback. ``distillq``
+(``pipeline.cli.main``) and every other entry point of a command (``python -m
+pipeline.cli.commands.serve_student``) go through it, so a failure reads the same whichever way it was run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Final
 
 from pydantic import ValidationError
@@ -16,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline.errors import DistillqError
 from pipeline.transport.connection import redis_error_line
 
 #: Exit statuses every command shares (docs/cli.md, "Exit status").
@@ -27,7 +31,7 @@ EXIT_INTERRUPTED: Final = 130  # Ctrl-C or SIGTERM
 REDIS_ERRORS: Final = (RedisConnectionError, RedisTimeoutError, RedisClusterException, ResponseError)
 
 
-class CliError(Exception):
+class CliError(DistillqError):
     """A failure the user can act on: printed as ``distillq: MESSAGE``, exits with ``status``."""
 
     def __init__(self, message: str, status: int = EXIT_FAILED) -> None:
@@ -50,7 +54,7 @@ def redis_url(args: argparse.Namespace) -> str | None:
     """The Redis URL the command used: its flag, else the environment, else the default (None: the demo's own)."""
     from pipeline.config import redis_settings_from_args
 
-    if args.command == "demo":
+    if getattr(args, "command", None) == "demo":
         return getattr(args, "redis_url", None) or os.environ.get("DISTILLQ_REDIS_URL")
     try:
         return redis_settings_from_args(args).redis_url
@@ -76,3 +80,25 @@ def describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int] | 
     if isinstance(exc, REDIS_ERRORS):
         return redis_error_line(exc, redis_url(args)), EXIT_REDIS
     return None
+
+
+def fail(message: str) -> None:
+    """Print ``distillq: MESSAGE`` on stderr: plain print, never wrapped, never styled."""
+    print(f"distillq: {message}", file=sys.stderr, flush=True)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``args.func(args)``: its exit status, or the status of the failure it raised (printed as one line by
+    ``fail``); Ctrl-C is ``EXIT_INTERRUPTED``. A failure ``describe`` does not know is re-raised."""
+    try:
+        code: int = args.func(args)
+    except KeyboardInterrupt:
+        fail("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # what describe() does not know is re-raised: a bug keeps its traceback
+        failure = describe(e, args)
+        if failure is None:
+            raise
+        fail(failure[0])
+        return failure[1]
+    return code

@@ -1,7 +1,7 @@
 """``distillq`` entry point: one subcommand per module.
 
-Failures a user can act on (Redis unreachable, an unreadable file, an invalid setting) are caught here, in
-one place, and printed as one line on stderr with the exit status docs/cli.md gives (``errors.py``).
+Failures a user can act on (Redis unreachable, an unreadable file, an invalid setting) are caught in one
+place, ``errors.run_command``, and printed as one line on stderr with the exit status docs/cli.md gives.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pipeline.cli.errors import EXIT_INTERRUPTED, EXIT_USAGE, describe
+from pipeline.cli.errors import EXIT_USAGE, fail, run_command
 from pipeline.logs import configure_logging
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -46,30 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str) -> None:
-    print(f"distillq: {message}", file=sys.stderr, flush=True)  # plain print: never wrapped, never styled
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         configure_logging(args.log_level)
     except ValueError as e:  # DISTILLQ_LOG_LEVEL=LOUD
-        _fail(str(e))
+        fail(str(e))
         return EXIT_USAGE
-    try:
-        code: int = args.func(args)
-    except KeyboardInterrupt:
-        _fail("interrupted")
-        return EXIT_INTERRUPTED
-    except Exception as e:  # what describe() does not know is re-raised: a bug keeps its traceback
-        failure = describe(e, args)
-        if failure is None:
-            raise
-        _fail(failure[0])
-        return failure[1]
-    return code
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ResponseError
 
+from pipeline.errors import LearnerError
 from pipeline.transport.connection import TRANSIENT, redis_error_line
 from pipeline.transport.keys import Keys
 
 
-class LearnerConnectionError(ConnectionError):
+class LearnerConnectionError(LearnerError, ConnectionError):
     """Redis cannot be reached (or refused the credentials); the message is one line, password masked."""
 
 

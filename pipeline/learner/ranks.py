@@ -34,6 +34,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from pipeline.errors import LearnerError
 from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import Keys
 
@@ -106,7 +107,7 @@ READ_LOCK_MS = 5000
 WAIT_LOG_S = 30.0
 
 
-class RankTakenOver(RuntimeError):
+class RankTakenOver(LearnerError, RuntimeError):
     """Another process joined under this process's rank number (two processes were started as one rank)."""
 
 

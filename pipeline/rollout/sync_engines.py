@@ -22,12 +22,13 @@ from typing import Any
 
 import httpx
 
+from pipeline.errors import BackendError
 from pipeline.models.weights import CONFIG, Checkpoint, model_folder_shapes, read_config
 from pipeline.rollout.weight_sync import UNSYNCED, parse_version
 from pipeline.urls import server_root
 
 
-class EngineError(RuntimeError):
+class EngineError(BackendError, RuntimeError):
     """The server did not do what was asked (unreachable, an error status, an unexpected answer)."""
 
 

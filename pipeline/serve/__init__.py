@@ -2,7 +2,9 @@
 ``student``, the verifiers-compatible student endpoint.
 
 The modules were flat files before (``pipeline.serve.atropos_app``, ``pipeline.serve.student_verifiers``, ...):
-those paths still import the moved modules (``MOVED``).
+those paths still import the moved modules (``MOVED``). The argparse glue of ``serve student``
+(``pipeline.serve.student.command``, before that ``pipeline.serve.student_cli``) is
+``pipeline.cli.commands.serve_student`` now, beside the other commands.
 """
 
 from pipeline.moved import keep_old_paths
@@ -19,7 +21,8 @@ MOVED: dict[str, str] = {
     "pipeline.serve.atropos_server": "pipeline.serve.atropos.startup",
     "pipeline.serve.atropos_state": "pipeline.serve.atropos.state",
     "pipeline.serve.student_app": "pipeline.serve.student.app",
-    "pipeline.serve.student_cli": "pipeline.serve.student.command",
+    "pipeline.serve.student_cli": "pipeline.cli.commands.serve_student",
+    "pipeline.serve.student.command": "pipeline.cli.commands.serve_student",
     "pipeline.serve.student_requests": "pipeline.serve.student.validation",
     "pipeline.serve.student_service": "pipeline.serve.student.service",
     "pipeline.serve.student_sessions": "pipeline.serve.student.sessions",

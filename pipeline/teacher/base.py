@@ -15,12 +15,14 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.errors import ConfigurationError
+
 #: Failure reasons that mean "the answer is wrong", not "the teacher is down".
 MISALIGNED = "misaligned"
 K_OVER_CAP = "k_over_cap"
 
 
-class TeacherConfigError(RuntimeError):
+class TeacherConfigError(ConfigurationError, RuntimeError):
     """The teacher cannot serve this configuration (e.g. k above the server's cap); do not start."""
 
 

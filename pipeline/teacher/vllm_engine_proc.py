@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, Final
 
 import numpy as np
 
+from pipeline.errors import BackendError
 from pipeline.teacher.vllm_engine_wire import (
     Batch,
     BatchResult,
@@ -49,7 +50,7 @@ VERIFIED_VLLM: Final = (">=0.32.0", "<0.33")
 HOOK: Final = "vllm.v1.engine.logprobs.LogprobsProcessor._update_prompt_logprobs"
 
 
-class HookMissing(RuntimeError):
+class HookMissing(BackendError, RuntimeError):
     """The vLLM internal the array path replaces is not there (or changed shape)."""
 
 

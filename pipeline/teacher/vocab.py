@@ -7,13 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.errors import ConfigurationError
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, TeacherBackend, result_problem
 
 #: The fixed sequence the self-test scores (ids below 64 exist in every real vocabulary).
 SELF_TEST_TOKENS = np.array([(7 * i + 3) % 64 for i in range(24)], np.int32)
 
 
-class VocabMismatchError(RuntimeError):
+class VocabMismatchError(ConfigurationError, RuntimeError):
     """Teacher and student tokenizers disagree: teacher top-k ids would mean other tokens."""
 
 

@@ -44,6 +44,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
+from pipeline.errors import TransportError
 from pipeline.transport.claimcheck import CLAIM_CHECKED, encode_header
 from pipeline.transport.connection import Backoff, is_cluster_client, retry_transient
 from pipeline.transport.keys import Keys
@@ -133,15 +134,15 @@ F_HEADER: Final = b"h"
 F_REF: Final = b"p"
 
 
-class BackpressureTimeout(TimeoutError):
+class BackpressureTimeout(TransportError, TimeoutError):
     """The stream stayed at its backlog cap for longer than the configured timeout."""
 
 
-class MessageTooLarge(ValueError):
+class MessageTooLarge(TransportError, ValueError):
     """The encoded message exceeds ``max_message_bytes``; it is refused before reaching Redis."""
 
 
-class ProducerStopped(RuntimeError):
+class ProducerStopped(TransportError, RuntimeError):
     """``stop`` was set while waiting for stream capacity; nothing was written."""
 
 

@@ -15,14 +15,15 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from pipeline.config import StreamSettings
+from pipeline.errors import ConfigurationError
 from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import MAX_SHARDS, SHARDABLE, Keys
 
 SHARDS_FIELD = "shards"
 
 
-class ShardConfigError(RuntimeError):
-    pass
+class ShardConfigError(ConfigurationError, RuntimeError):
+    """A shard count or assignment out of range, or a change of the count while sharded streams hold entries."""
 
 
 async def get_shards(redis: aioredis.Redis, keys: Keys) -> int:

@@ -149,6 +149,24 @@ def test_missing_or_unreadable_input_file(
     assert (code, err) == (2, f"distillq: cannot read {binary}: not UTF-8 text (byte {len(head)})\n")
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["shards", "set"], "distillq: shards set: give the shard count"),
+    (["tail", "scored", "--decode", "--format", "atropos"],
+     "distillq: tail: --decode applies to --format summary only"),
+    (["dlq", "replay"], "distillq: dlq replay: give ENTRY_ID ... or --all (not both)"),
+    (["up", "--rollout", "0", "--teachers", "0", "--feeders", "0"],
+     "distillq: nothing to run: give --rollout, --teachers or --feeders"),
+    (["serve", "atropos", "--batch-wait-s", "-1"],
+     "distillq: --batch-wait-s must be a number of seconds from 0 to 60, got -1.0"),
+])
+def test_a_flag_a_command_cannot_use_is_one_line_with_status_2(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before Redis is asked (the URL here is never reachable), through the one failure path."""
+    code, out, err = run_cli(capsys, *argv, "--redis-url", "redis://127.0.0.1:9/0")
+    assert (code, out, err) == (2, "", line + "\n")
+
+
 @pytest.mark.parametrize("action", ["show", "replay"])
 def test_dlq_malformed_entry_id(action: str, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "dlq", action, "notanid", "--redis-url", redis_url, "--namespace", keys.namespace)

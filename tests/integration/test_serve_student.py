@@ -25,12 +25,15 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 from prometheus_client import REGISTRY
+from pydantic import ValidationError
 from structlog.testing import capture_logs
 
+from pipeline.cli.commands.serve_student import add_student_arguments, run_student
+from pipeline.cli.commands.serve_student import main as serve_student
+from pipeline.cli.errors import CliError
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.serve.student.app import create_app
-from pipeline.serve.student.command import add_student_arguments, run_student
 from pipeline.serve.student.service import ServeConfig, StudentService
 from pipeline.serve.student.sessions import GroupAssembler, SessionStore
 from pipeline.transport.keys import Keys
@@ -51,13 +54,13 @@ async def read_groups(r: aioredis.Redis, keys: Keys) -> list[RolloutGroup]:
 
 
 class StudentProcess:
-    """``python -m pipeline.serve.student.command`` on a free port of 127.0.0.1, stopped by its pid."""
+    """``python -m pipeline.cli.commands.serve_student`` on a free port of 127.0.0.1, stopped by its pid."""
 
     def __init__(self, redis_url: str, namespace: str, workdir: Path, *extra: str) -> None:
         self.port_file = workdir / "port"
         self.log = workdir / "student.log"
         self.args = [
-            sys.executable, "-m", "pipeline.serve.student.command", "--backend", "hf",
+            sys.executable, "-m", "pipeline.cli.commands.serve_student", "--backend", "hf",
             "--model", str(ensure_tiny_models().student), "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", "0", "--port-file", str(self.port_file),
             "--redis-url", redis_url, "--namespace", namespace, *extra,
@@ -536,10 +539,13 @@ def test_cli_configuration_errors_are_one_line_and_exit_2(
     from pipeline.cli.main import main as distillq
 
     url = [] if "--redis-url" in argv else ["--redis-url", "redis://127.0.0.1:9/0"]
-    assert run_student(student_args(*argv, *url)) == 2
+    assert serve_student([*argv, *url]) == 2
     assert distillq(["serve", "student", *argv, *url]) == 2
     direct, via_distillq = capsys.readouterr().err.splitlines()  # one line each, the same line
     assert direct == via_distillq and direct.startswith("distillq: ") and words in direct
+    with pytest.raises((CliError, ValidationError)):  # raised, not printed: the entry points print it
+        run_student(student_args(*argv, *url))
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_backend_errors_exit_2_and_an_unreachable_redis_exits_3(
@@ -547,13 +553,13 @@ def test_cli_backend_errors_exit_2_and_an_unreachable_redis_exits_3(
 ) -> None:
     tok = str(ensure_tiny_models().tokenizer)
     vllm = ["--backend", "vllm", "--url", "http://127.0.0.1:9/v1", "--tokenizer", tok, "--redis-url", redis_url]
-    assert run_student(student_args(*vllm)) == 2
-    assert run_student(student_args("--model", "/nonexistent/model", "--redis-url", redis_url)) == 2
+    assert serve_student(vllm) == 2
+    assert serve_student(["--model", "/nonexistent/model", "--redis-url", redis_url]) == 2
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     model = str(ensure_tiny_models().student)
-    assert run_student(student_args("--model", model, "--redis-url", f"redis://:secret@127.0.0.1:{closed}/0")) == 3
+    assert serve_student(["--model", model, "--redis-url", f"redis://:secret@127.0.0.1:{closed}/0"]) == 3
     listing, missing, redis_down = capsys.readouterr().err.splitlines()
     assert listing.startswith("distillq: cannot list the models of http://127.0.0.1:9")
     assert missing.startswith("distillq: ") and "/nonexistent/model" in missing
@@ -563,8 +569,8 @@ def test_cli_backend_errors_exit_2_and_an_unreachable_redis_exits_3(
 async def test_the_vllm_client_is_closed_when_the_server_stops(
     hf_student: HFStudent, redis_url: str, keys: Keys
 ) -> None:
+    from pipeline.cli.commands.serve_student import _serve
     from pipeline.rollout.students.vllm import VLLMStudent
-    from pipeline.serve.student.command import _serve
 
     failing = httpx.MockTransport(lambda _: httpx.Response(500))
     backend = VLLMStudent("http://vllm:8000", "student", hf_student.tokenizer, transport=failing)

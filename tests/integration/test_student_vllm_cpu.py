@@ -112,9 +112,9 @@ async def test_facade_multi_turn_over_vllm_matches_hf(student: VLLMStudent, refe
 
 
 def _serve_student(server: str, redis_url: str, ns: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    """``python -m pipeline.serve.student.command --backend vllm`` on a free port; (process, base URL, log)."""
+    """``python -m pipeline.cli.commands.serve_student --backend vllm`` on a free port; (process, base URL, log)."""
     port_file, log = tmp / "port", tmp / "student.log"
-    args = [sys.executable, "-m", "pipeline.serve.student.command", "--backend", "vllm", "--url", f"{server}/v1",
+    args = [sys.executable, "-m", "pipeline.cli.commands.serve_student", "--backend", "vllm", "--url", f"{server}/v1",
             "--vllm-model", NAME, "--tokenizer", str(ensure_tiny_models().student), "--host", "127.0.0.1",
             "--port", "0", "--port-file", str(port_file), "--redis-url", redis_url, "--namespace", ns]
     with log.open("wb") as out:

@@ -95,7 +95,7 @@ async def ensure_reachable(settings: RedisSettings, url: str | None = None) -> N
     client = connect(settings.model_copy(update={"redis_url": url}))
     try:
         await client.ping()
-    except RedisError as e:
+    except (RedisError, OSError) as e:  # OSError: a socket error the client did not wrap
         raise CliError(redis_error_line(e, url), EXIT_REDIS) from e
     finally:
         await client.aclose()

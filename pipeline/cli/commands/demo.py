@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -152,8 +151,7 @@ def main(args: argparse.Namespace) -> int:
         from pipeline.cli.demo_vllm import missing_line, vllm_python
 
         if vllm_python() is None:
-            print(missing_line(), file=sys.stderr)
-            return 2
+            raise CliError(missing_line(), EXIT_USAGE)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)  # on a file or pipe: as wide as the report, nothing wrapped
     t0 = time.monotonic()

@@ -13,12 +13,12 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from types import FrameType
 
 from pipeline.cli.commands.common import ensure_reachable, make_console, run
 from pipeline.cli.embedded import EmbeddedRedis
+from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import redis_settings
 from pipeline.transport.connection import mask_url
 
@@ -48,8 +48,7 @@ def main(args: argparse.Namespace) -> int:
     embedded = None
     try:
         if (args.teacher_model is None) != (args.student_model is None):
-            print("distillq demo --real: --teacher-model and --student-model go together", file=sys.stderr)
-            return 2
+            raise CliError("demo --real: --teacher-model and --student-model go together", EXIT_USAGE)
         if args.teacher_model is not None:
             pair = RealPair(args.teacher_model.parent, args.teacher_model, args.student_model)
         else:
@@ -90,8 +89,7 @@ def main(args: argparse.Namespace) -> int:
         ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
         return 0 if ok else 1
     except RealPairUnavailable as e:
-        print(f"distillq demo --real: {e}", file=sys.stderr)
-        return 2
+        raise CliError(f"demo --real: {e}", EXIT_USAGE) from e
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/yellow]")
         return 130

@@ -28,7 +28,7 @@ from pipeline.cli.commands.common import (
     run,
     with_redis,
 )
-from pipeline.cli.errors import EXIT_USAGE, CliError
+from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.cli.inspect import one_line, summarize_entry, summarize_message
 from pipeline.cli.namespaces import absent_note
 from pipeline.cli.streamstats import server_time
@@ -160,8 +160,7 @@ async def dlq_list(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) 
 async def dlq_show(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     fields = await _get(redis, keys, args.entry_id)
     if fields is None:
-        print(f"no dead letter {args.entry_id} in {keys.dlq}", file=sys.stderr)
-        return 1
+        raise CliError(f"no dead letter {args.entry_id} in {keys.dlq}", EXIT_FAILED)
     info = describe(args.entry_id, fields)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -308,8 +307,7 @@ def main_show(args: argparse.Namespace) -> int:
 
 def main_replay(args: argparse.Namespace) -> int:
     if args.all == bool(args.entry_ids):
-        print("dlq replay: give ENTRY_ID ... or --all (not both)", file=sys.stderr)
-        return 2
+        raise CliError("dlq replay: give ENTRY_ID ... or --all (not both)", EXIT_USAGE)
     check_entry_ids("replay", args.entry_ids)
     return run(with_redis(args, lambda r, k: dlq_replay(r, k, args)))
 
@@ -325,9 +323,8 @@ def main_purge(args: argparse.Namespace) -> int:
     if not args.yes:
         ok = _confirm(n, f"{what} {where}")
         if ok is None:
-            print(f"dlq purge: {n} {what} {where} would be deleted; no terminal to confirm on, pass --yes",
-                  file=sys.stderr)
-            return 2
+            raise CliError(f"dlq purge: {n} {what} {where} would be deleted; no terminal to confirm on, pass --yes",
+                           EXIT_USAGE)
         if not ok:
             print("nothing deleted")
             return 1

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Callable
 
 import structlog
 
 from pipeline.cli.commands.common import add_command
+from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.flags import add_flags, build, from_args
 from pipeline.serve.atropos.settings import AtroposSettings
@@ -46,9 +46,8 @@ def run_atropos(args: argparse.Namespace) -> int:
     from pipeline.serve.atropos.startup import ServeConfig
 
     if not (math.isfinite(args.batch_wait_s) and 0 <= args.batch_wait_s <= 60):
-        print(f"distillq: --batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
-              file=sys.stderr)
-        return 2
+        raise CliError(f"--batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
+                       EXIT_USAGE)
     cfg = build(ServeConfig, from_args(AtroposSettings, args), redis=redis_settings_from_args(args),
                 streams=StreamSettings())
     run(ensure_reachable(cfg.redis))  # Redis away: one line and exit status 3, not a traceback after retries
@@ -60,7 +59,7 @@ def run_atropos(args: argparse.Namespace) -> int:
 
 
 def add_student(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from pipeline.serve.student.command import add_student_arguments, run_student
+    from pipeline.cli.commands.serve_student import add_student_arguments, run_student
 
     p = add_command(servers, "student", "a verifiers-compatible student endpoint that records each rollout",
                     "Serves /inference/v1/generate, /v1/chat/completions and /v1/models as verifiers 0.4 calls them; "

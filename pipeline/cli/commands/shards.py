@@ -7,9 +7,9 @@ pipeline drain (``distillq stats``), change it, then restart the workers (they r
 from __future__ import annotations
 
 import argparse
-import sys
 
 from pipeline.cli.commands.common import add_command, add_redis_args, redis_settings_from_args, run, with_redis
+from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.sharding import ShardConfigError, get_shards, set_shards
 
 
@@ -34,13 +34,11 @@ def main(args: argparse.Namespace) -> int:
         print(run(with_redis(args, get_shards)))
         return 0
     if args.count is None:
-        print("distillq shards set: give the shard count", file=sys.stderr)
-        return 2
+        raise CliError("shards set: give the shard count", EXIT_USAGE)
     try:
         old = run(with_redis(args, lambda r, k: set_shards(r, k, args.count, force=args.force)))
     except ShardConfigError as e:
-        print(f"distillq shards: {e}", file=sys.stderr)
-        return 1
+        raise CliError(f"shards: {e}", EXIT_FAILED) from e
     ns = redis_settings_from_args(args).namespace
     print(f"shards of namespace {ns!r}: {old} -> {args.count}; restart the workers so they read it")
     return 0

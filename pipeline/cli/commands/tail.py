@@ -15,6 +15,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipeline.cli.commands.common import add_command, add_redis_args, env_default, run_output, stream_name, with_redis
+from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.cli.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
 from pipeline.transport.consumer import resolve_payloads
 from pipeline.transport.keys import Keys
@@ -158,11 +159,9 @@ def main(args: argparse.Namespace) -> int:
     tokenizer: TokenDecoder | None = None
     if args.decode:
         if args.format != "summary":
-            print("tail: --decode applies to --format summary only", file=sys.stderr)
-            return 2
+            raise CliError("tail: --decode applies to --format summary only", EXIT_USAGE)
         loaded = load_tokenizer(args.tokenizer or env_default("TOKENIZER"))
         if isinstance(loaded, str):
-            print(f"tail: {loaded}", file=sys.stderr)
-            return 2
+            raise CliError(f"tail: {loaded}", EXIT_USAGE)
         tokenizer = loaded
     return run_output(with_redis(args, lambda r, k: tail(r, k, args, tokenizer)))

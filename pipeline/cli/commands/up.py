@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from pipeline.cli.commands.common import add_command, make_console
+from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import add_redis_args, redis_settings_from_args
 
@@ -62,8 +63,7 @@ def main(args: argparse.Namespace) -> int:
     rs = redis_settings_from_args(args)
     procs = specs(args)
     if not procs:
-        console.print("nothing to run: give --rollout, --teachers or --feeders")
-        return 2
+        raise CliError("nothing to run: give --rollout, --teachers or --feeders", EXIT_USAGE)
     env = {"DISTILLQ_REDIS_URL": rs.redis_url, "DISTILLQ_NAMESPACE": rs.namespace}
     sup = Supervisor(procs, args.log_dir, base_env=env)
     signal.signal(signal.SIGTERM, _stop)

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from pipeline.errors import BackendError
+
 FinishReason = Literal["stop", "length"]
 
 
-class StudentBackendError(RuntimeError):
+class StudentBackendError(BackendError, RuntimeError):
     """The inference backend failed or answered something that cannot be tracked."""
 
 

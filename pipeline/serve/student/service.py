@@ -26,6 +26,7 @@ import numpy as np
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.errors import ApiError
 from pipeline.metrics import UNATTRIBUTED_SAMPLES
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.openai_types import ChatCompletion, ChatCompletionChunk, Stream
@@ -54,7 +55,7 @@ NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
 }
 
 
-class ServeError(Exception):
+class ServeError(ApiError):
     """An error answered in the OpenAI shape: ``{"error": {"message", "type", "code"}}``."""
 
     def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> None:

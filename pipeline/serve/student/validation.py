@@ -16,13 +16,15 @@ from __future__ import annotations
 import math
 from typing import Any, Final
 
+from pipeline.errors import ApiError
+
 #: The most completions one request may ask for (``n``), on every endpoint.
 MAX_N: Final = 64
 #: The most stop strings one request may carry.
 MAX_STOP: Final = 16
 
 
-class RequestError(ValueError):
+class RequestError(ApiError, ValueError):
     """A request field the server does not accept: ``param`` names it."""
 
     def __init__(self, param: str, message: str) -> None:

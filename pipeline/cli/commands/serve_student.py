@@ -9,10 +9,11 @@ Hook it into a ``serve`` subcommand parser with::
     add_student_arguments(p)
     p.set_defaults(func=run_student)
 
-``python -m pipeline.serve.student.command ARGS`` runs it without the ``distillq`` entry point. Either way a
+``python -m pipeline.cli.commands.serve_student ARGS`` runs it without the ``distillq`` entry point. Either way a
 failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit status docs/cli.md
 gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be reached, 1 when
-the port cannot be bound. ``run_student`` prints it itself (the serve layer does not import the CLI's).
+the port cannot be bound. ``run_student`` raises them (``CliError``, pydantic's ``ValidationError``) and
+``pipeline.cli.errors.run_command`` prints them, as for every command.
 """
 
 from __future__ import annotations
@@ -26,23 +27,20 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from pipeline.cli.commands.common import ensure_reachable, run
+from pipeline.cli.errors import EXIT_USAGE, CliError, fail, run_command
 from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.logs import configure_logging
 
 if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
-    from pipeline.config import RedisSettings
     from pipeline.rollout.students.base import StudentBackend
     from pipeline.serve.student.service import ServeConfig
 
 log = structlog.get_logger(__name__)
-
-#: Exit statuses, as every ``distillq`` command uses them (docs/cli.md, "Exit status").
-EXIT_USAGE: Final = 2
-EXIT_REDIS: Final = 3
 
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:
@@ -271,50 +269,19 @@ def usage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def redis_error(exc: BaseException, url: str) -> str:
-    """One line for a Redis that cannot be used, the password masked (the words other commands print)."""
-    from pipeline.transport.connection import redis_error_line
-
-    return redis_error_line(exc, url)
-
-
-async def _ping(settings: RedisSettings) -> None:
-    from pipeline.transport.connection import connect
-
-    client = connect(settings)
-    try:
-        await client.ping()
-    finally:
-        await client.aclose()
-
-
-def _fail(message: str, status: int) -> int:
-    print(f"distillq: {message}", file=sys.stderr, flush=True)
-    return status
-
-
 def run_student(args: argparse.Namespace) -> int:
-    """Check the flags and Redis, load the backend and serve until interrupted: 0 after a signal, 2 on a
-    configuration error, 3 if Redis cannot be reached, 1 if the port cannot be bound."""
-    from pydantic import ValidationError
-    from redis.exceptions import RedisError
-
+    """Check the flags and Redis, load the backend and serve until interrupted: 0 after a signal, 1 if the port
+    cannot be bound. Raises ``CliError`` (2) for a configuration error, ``ValidationError`` (2) for an invalid
+    setting and ``CliError`` (3) when Redis cannot be reached."""
     problem = usage_error(args)
     if problem is not None:
-        return _fail(problem, EXIT_USAGE)
-    try:
-        rs = redis_settings_from_args(args)
-    except ValidationError as e:  # a malformed --redis-url or DISTILLQ_* setting
-        reasons = (f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}" for x in e.errors())
-        return _fail("invalid setting " + "; ".join(reasons), EXIT_USAGE)
-    try:
-        asyncio.run(_ping(rs))  # before the model loads: a Redis that is away is said at once
-    except (RedisError, OSError) as e:
-        return _fail(redis_error(e, rs.redis_url), EXIT_REDIS)
+        raise CliError(problem, EXIT_USAGE)
+    rs = redis_settings_from_args(args)  # a malformed --redis-url or DISTILLQ_* setting: ValidationError
+    run(ensure_reachable(rs))  # before the model loads: a Redis that is away is said at once
     try:
         backend, config = _hf_backend(args) if args.backend == "hf" else _vllm_backend(args)
     except (ValueError, OSError) as e:
-        return _fail(" ".join(str(e).split()), EXIT_USAGE)
+        raise CliError(" ".join(str(e).split()), EXIT_USAGE) from e
     from pipeline.metrics import serve_metrics
 
     serve_metrics(args.metrics_port)
@@ -325,9 +292,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="distillq serve student", description=__doc__.split("\n")[0])
     add_student_arguments(parser)
     parser.add_argument("--log-level", default=None)
+    parser.set_defaults(func=run_student, command="serve", server="student")  # as ``distillq serve student``
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    return run_student(args)
+    try:
+        configure_logging(args.log_level)
+    except ValueError as e:  # --log-level LOUD
+        fail(str(e))
+        return EXIT_USAGE
+    return run_command(args)
 
 
 if __name__ == "__main__":
