@@ -5,7 +5,7 @@ against a real redis-server. The demo's tiny pretrained teacher and student (``d
 Over ``STEPS`` learner steps it checks that every group trained on was sampled within the feeder's
 ``--max-staleness`` of the learner's version at that step; that every group's recorded student logprobs equal
 a transformers forward of the published weights of the version it is tagged with; that the held-out reverse
-KL falls (by 10% at least; by half in some runs only). Faults, in the same run: a half-written checkpoint
+KL falls by half at least. Faults, in the same run: a half-written checkpoint
 folder that ``LATEST`` names is planted
 (never loaded); one learner rank is killed with SIGKILL in the middle of a step (the group is restarted; the
 batch comes back to both ranks and is trained once); the vLLM server is killed with SIGKILL while a reload
@@ -138,7 +138,7 @@ class Loop:
         rollout.argv[at] = self.proxy.url  # the rollout worker reaches the server through the proxy
         self.ranks = Ranks([sys.executable, "-m", "tests.learner_loop", "--student", str(self.student),
                             "--weights-dir", str(self.weights), "--steps", str(STEPS), "--eval-teacher", str(teacher),
-                            "--lr", "2e-2"], {**os.environ, **env, "PYTHONPATH": str(ROOT)}, out)
+                            "--lr", "8e-3"], {**os.environ, **env, "PYTHONPATH": str(ROOT)}, out)
         self.rank_recs = [out / "rank0.jsonl", out / "rank1.jsonl"]
         self.rollout_log = out / "logs" / "rollout-0.log"
         self.rank0_exit: int | None = None
@@ -275,8 +275,7 @@ def test_closed_loop_on_cpu(redis_url: str, keys: Keys, tmp_path: Path) -> None:
     worst, tokens, versions = check_logprobs(groups, loop.weights)
     evals = {r["step"]: r["heldout_reverse_kl"] for r in recs[0] if r["event"] == "eval"}
     kl0, kl1 = evals[0], evals[STEPS]
-    # Halving is reached in some runs (5.93 -> 1.58, 1.89) but not all (3.49): the bound asserted is 10% lower.
-    assert kl1 <= 0.9 * kl0, (kl0, kl1)
+    assert kl1 <= kl0 / 2, (kl0, kl1)
     check_sync_log(log_events(loop.rollout_log))
     assert loop.server.restarts == 1 and loop.proxy.killed_at > 0
     print(f"\nclosed loop: {STEPS} steps, held-out reverse KL {kl0:.4f} -> {kl1:.4f}, {len(groups)} groups "
