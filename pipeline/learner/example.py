@@ -52,6 +52,7 @@ class LearnerConfig:
     weights_dir: str
     steps: int = 300
     lr: float = 2e-3
+    lr_decay: str = "none"  # or "linear": from lr at step 1 to 0 at ``steps`` (a function of the step)
     pg_weight: float = 1.0
     kd_weight: float = 1.0
     clip: float = 0.2
@@ -110,8 +111,9 @@ class Evaluator:
         from pipeline.models.evaluation import reverse_kl_on_prompts
 
         self.student.eval()
-        kl = reverse_kl_on_prompts(self.student, self.teacher, self.prompts, seed=step, max_new=self.cfg.eval_max_new,
-                                   eos_ids=self.eos_ids)
+        # the same sampling seed at every evaluation: start and end are compared on common random numbers
+        kl = reverse_kl_on_prompts(self.student, self.teacher, self.prompts, seed=self.cfg.seed,
+                                   max_new=self.cfg.eval_max_new, eos_ids=self.eos_ids)
         self.student.train()
         return kl
 
@@ -164,6 +166,7 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
                 continue
             step += 1
             t0 = time.perf_counter()
+            set_lr(opt, cfg, step)
             loss, pg, kd = optimiser_step(student, opt, b.batch, cfg)
             version += (synced := step % cfg.sync_every == 0)
             # Checkpoint, then ack, then publish: a crash before the checkpoint redelivers the batch to the
@@ -178,6 +181,14 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
     if out is not None:
         out.close()
     return history
+
+
+def set_lr(opt: torch.optim.Optimizer, cfg: LearnerConfig, step: int) -> None:
+    """The learning rate of ``step`` (1-based): a function of the step alone, so a restarted or resumed learner
+    goes on with the rate it would have had."""
+    factor = max(0.0, 1 - (step - 1) / max(cfg.steps, 1)) if cfg.lr_decay == "linear" else 1.0
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr * factor
 
 
 def restore(ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, learner: Learner,
@@ -247,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.learner.example", description=__doc__.split("\n")[0])
     for name, typ, default in (
         ("student", str, None), ("weights-dir", str, None), ("steps", int, 300), ("lr", float, 2e-3),
+        ("lr-decay", str, "none"),
         ("pg-weight", float, 1.0), ("kd-weight", float, 1.0), ("sync-every", int, 1), ("eval-teacher", str, None),
         ("eval-every", int, 25), ("eval-prompts", int, 48), ("heldout-file", str, None), ("eval-max-new", int, 8),
         ("device", str, "cpu"),
@@ -256,13 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     ):
         p.add_argument(f"--{name}", type=typ, default=default, required=name in ("student", "weights-dir"))
     a = p.parse_args(argv)
+    if a.lr_decay not in ("none", "linear"):
+        p.error(f"argument --lr-decay: none or linear, got {a.lr_decay!r}")
     configure_logging()
     cfg = LearnerConfig(student=a.student, weights_dir=a.weights_dir, steps=a.steps, lr=a.lr, pg_weight=a.pg_weight,
                         kd_weight=a.kd_weight, sync_every=a.sync_every, eval_teacher=a.eval_teacher,
                         eval_every=a.eval_every, eval_prompts=a.eval_prompts, heldout_file=a.heldout_file,
                         eval_max_new=a.eval_max_new, device=a.device, metrics_file=a.metrics_file,
                         batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace,
-                        checkpoint_dir=a.checkpoint_dir)
+                        checkpoint_dir=a.checkpoint_dir, lr_decay=a.lr_decay)
     Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
     try:
         history = train(cfg)
