@@ -44,7 +44,10 @@ class RealDemoConfig:
     groups_per_batch: int = 2
     top_k: int = 64
     max_tokens: int = 24
-    lr: float = 1e-4
+    lr: float = 2e-4  # decaying linearly to 0 at the last step
+    pg_weight: float = 0.0  # see docs/real-pair.md: the top-k forward KL on its own samples carries the signal
+    max_staleness: int = 3
+    max_wait_s: float = 30.0  # the feeder waits this long for a full batch rather than send one group
     eval_every: int = 20
     eval_prompts: int = 24
     eval_max_new: int = 12
@@ -64,10 +67,13 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
             "worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer", str(student),
             "--top-k", str(cfg.top_k), "--rows", "trained", "--device", cfg.device, "--consumer-name", "teacher-0")),
         ProcSpec("feeder", distillq_argv(
-            "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness", "2",
-            "--max-wait", "0.5", "--kl-coef", "1.0", "--consumer-name", "feeder-0")),
+            "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness",
+            str(cfg.max_staleness), "--max-wait", str(cfg.max_wait_s), "--kl-coef", "1.0",
+            "--max-ready-batches", "1",  # the learner is the slow stage: groups wait unsampled, not stale
+            "--consumer-name", "feeder-0")),
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.learner.example", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(cfg.steps), "--lr", str(cfg.lr),
+                             "--lr-decay", "linear", "--pg-weight", str(cfg.pg_weight),
                              "--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every),
                              "--eval-prompts", str(cfg.eval_prompts), "--heldout-file", str(cfg.out / "heldout.jsonl"),
                              "--eval-max-new", str(cfg.eval_max_new), "--device", cfg.device, "--metrics-file",
@@ -82,7 +88,7 @@ def enqueue(cfg: RealDemoConfig) -> int:
     heldout = realtasks.load("heldout")
     (cfg.out / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
     train = realtasks.load("train")
-    need = int(cfg.steps * cfg.groups_per_batch * 1.3) + 8
+    need = cfg.steps * cfg.groups_per_batch * 2 + 8  # room for the groups dropped as stale
     rs = RedisSettings(redis_url=cfg.redis_url, namespace=cfg.namespace)
     total, epoch = 0, 0
     while total < need:
@@ -113,7 +119,7 @@ def run_pipeline(cfg: RealDemoConfig, student: Path, teacher: Path, console: Con
     runner = asyncio.Runner()  # one loop for the monitoring client for the whole run
     r = connect(RedisSettings(redis_url=cfg.redis_url, namespace=cfg.namespace))
     threads = str(cfg.threads)
-    env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "4",
+    env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "2",
            "DISTILLQ_LOG_JSON": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
            "TOKENIZERS_PARALLELISM": "false", "DISTILLQ_HEARTBEAT_INTERVAL_S": "1",
            "DISTILLQ_TEACHER_TIMEOUT_S": "600"}

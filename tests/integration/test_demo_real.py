@@ -50,7 +50,7 @@ def test_real_pair_distills_on_the_pipeline(tmp_path: Path, redis_url: str) -> N
 
     out = tmp_path / "real"
     cfg = RealDemoConfig(redis_url=redis_url, out=out, namespace=f"real{tmp_path.name[-6:]}", steps=12,
-                         max_tokens=16, lr=3e-4, eval_every=12, eval_prompts=6, eval_max_new=8, timeout_s=780)
+                         max_tokens=16, eval_every=12, eval_prompts=12, eval_max_new=8, timeout_s=780)
     assert enqueue(cfg) >= cfg.steps * cfg.groups_per_batch
     console = Console(stderr=True, force_terminal=False)
     result = run_pipeline(cfg, pair.student, pair.teacher, console)

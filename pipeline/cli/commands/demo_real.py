@@ -22,7 +22,7 @@ from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import redis_settings
 from pipeline.transport.connection import mask_url
 
-STEPS, TIMEOUT_S = 80, 1800.0
+STEPS, TIMEOUT_S = 120, 1800.0
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
