@@ -189,7 +189,8 @@ def enqueue(cfg: DemoConfig) -> int:
 async def read_heartbeats(r: aioredis.Redis, keys: Keys) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for stage in STAGES:
-        agg: dict[str, Any] = {"handled": 0, "workers": 0, "started": None, "drops": {}, "outcomes": {}}
+        agg: dict[str, Any] = {"handled": 0, "workers": 0, "started": None, "drops": {}, "outcomes": {},
+                               "tokens_scored": 0}
         async for k in r.scan_iter(match=keys.heartbeat_pattern(stage)):  # every master of a Cluster
             raw: Any = await r.get(k)
             if raw is None:
@@ -197,6 +198,7 @@ async def read_heartbeats(r: aioredis.Redis, keys: Keys) -> dict[str, dict[str, 
             info = json.loads(raw)
             agg["workers"] += 1
             agg["handled"] += int(info.get("handled", 0))
+            agg["tokens_scored"] += int(info.get("tokens_scored", 0))  # teacher workers
             agg["started"] = min(x for x in (agg["started"], info.get("started")) if x is not None)
             for key in ("drops", "outcomes"):
                 for reason, n in (info.get(key) or {}).items():
@@ -225,23 +227,34 @@ def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console
     cfg.out.mkdir(parents=True, exist_ok=True)
     if not cfg.resume:
         (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
-    keys = Keys(cfg.namespace)
-    runner = asyncio.Runner()  # one loop for the monitoring client (a Cluster client too) for the whole run
-    r = connect(cfg.settings())
     env = worker_env(cfg)
     earlier = read_history(cfg.out / "metrics.jsonl")
     first_step = int(max((r.get("step", 0) for r in earlier), default=0))
     sup = Supervisor(process_specs(cfg, student, teacher, first_step), cfg.out / "logs", base_env=env)
     result = DemoResult(earlier=earlier)
+    watch(sup, result, cfg.settings(), cfg.out / "metrics.jsonl", total=cfg.steps, timeout_s=cfg.timeout_s,
+          console=console)
+    return result
+
+
+def watch(sup: Supervisor, result: DemoResult, settings: RedisSettings, metrics: Path, *, total: int,
+          timeout_s: float, console: Console, waiting: str = "starting workers...", poll_s: float = 0.5) -> None:
+    """Start ``sup``'s processes and follow them with a progress bar of learner steps until the learner exits
+    or ``timeout_s`` passes; then stop every process. Fills ``result``: this run's learner records (those of
+    ``metrics`` after ``result.earlier``), the stages' heartbeat figures, the elapsed time and exit codes."""
+    keys = Keys(settings.namespace)
+    runner = asyncio.Runner()  # one loop for the monitoring client (a Cluster client too) for the whole run
+    r = connect(settings)
+    skip = len(result.earlier)
     t0 = time.monotonic()
     sup.start()
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[info]}"), console=console, transient=False) as progress:
-            task = progress.add_task("learner steps", total=cfg.steps, info="starting workers...")
-            while time.monotonic() - t0 < cfg.timeout_s:
+            task = progress.add_task("learner steps", total=total, info=waiting)
+            while time.monotonic() - t0 < timeout_s:
                 codes = sup.poll()
-                result.history = read_history(cfg.out / "metrics.jsonl")[len(earlier):]
+                result.history = read_history(metrics)[skip:]
                 stages = runner.run(read_heartbeats(r, keys))
                 if any(s["workers"] for s in stages.values()):
                     result.stages = stages
@@ -253,7 +266,7 @@ def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console
                 progress.update(task, completed=step, info=info)
                 if codes.get("learner") is not None:
                     break
-                time.sleep(0.5)
+                time.sleep(poll_s)
     finally:
         result.elapsed_s = time.monotonic() - t0
         sup.stop()
@@ -261,8 +274,7 @@ def run_pipeline(cfg: DemoConfig, student: Path, teacher: Path, console: Console
                              (p.popen.returncode if p.popen else None) for p in sup.procs}
         runner.run(r.aclose())
         runner.close()
-    result.history = read_history(cfg.out / "metrics.jsonl")[len(earlier):]
-    return result
+    result.history = read_history(metrics)[skip:]
 
 
 def change(start: float, end: float) -> str:

@@ -21,15 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.cli.demo import DemoResult, read_heartbeats, read_history
+from pipeline.cli.demo import DemoResult, watch
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
 from pipeline.models import realtasks
-from pipeline.transport.connection import connect
 from pipeline.transport.jobs import PromptJob, enqueue_prompts
 from pipeline.transport.keys import Keys
 
@@ -102,22 +99,9 @@ def enqueue(cfg: RealDemoConfig) -> int:
     return total
 
 
-async def teacher_tokens(r: aioredis.Redis, keys: Keys) -> int:
-    """Tokens scored so far by the live teacher workers (from their heartbeats)."""
-    total = 0
-    async for k in r.scan_iter(match=keys.heartbeat_pattern("teacher")):
-        raw: Any = await r.get(k)
-        if raw is not None:
-            total += int(json.loads(raw).get("tokens_scored", 0))
-    return total
-
-
 def run_pipeline(cfg: RealDemoConfig, student: Path, teacher: Path, console: Console) -> DemoResult:
     cfg.out.mkdir(parents=True, exist_ok=True)
     (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
-    keys = Keys(cfg.namespace)
-    runner = asyncio.Runner()  # one loop for the monitoring client for the whole run
-    r = connect(RedisSettings(redis_url=cfg.redis_url, namespace=cfg.namespace))
     threads = str(cfg.threads)
     env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "2",
            "DISTILLQ_LOG_JSON": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
@@ -125,36 +109,8 @@ def run_pipeline(cfg: RealDemoConfig, student: Path, teacher: Path, console: Con
            "DISTILLQ_TEACHER_TIMEOUT_S": "600"}
     sup = Supervisor(process_specs(cfg, student, teacher), cfg.out / "logs", base_env=env)
     result = DemoResult()
-    t0 = time.monotonic()
-    sup.start()
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[info]}"), console=console, transient=False) as progress:
-            task = progress.add_task("learner steps", total=cfg.steps, info="loading models...")
-            while time.monotonic() - t0 < cfg.timeout_s:
-                codes = sup.poll()
-                result.history = read_history(cfg.out / "metrics.jsonl")
-                stages = runner.run(read_heartbeats(r, keys))
-                if any(s["workers"] for s in stages.values()):
-                    result.stages = stages
-                    stages["teacher"]["tokens_scored"] = runner.run(teacher_tokens(r, keys))
-                step = int(result.history[-1]["step"]) if result.history else 0
-                kl = [x for _, x in result.heldout()]
-                info = "  ".join(f"{s}:{v['handled']}" for s, v in stages.items())
-                if kl:
-                    info += f"  heldout rKL {kl[0]:.3f} -> {kl[-1]:.3f}"
-                progress.update(task, completed=step, info=info)
-                if codes.get("learner") is not None:
-                    break
-                time.sleep(1.0)
-    finally:
-        result.elapsed_s = time.monotonic() - t0
-        sup.stop()
-        result.exit_codes = {p.spec.name: p.exit_code if p.exit_code is not None else
-                             (p.popen.returncode if p.popen else None) for p in sup.procs}
-        runner.run(r.aclose())
-        runner.close()
-    result.history = read_history(cfg.out / "metrics.jsonl")
+    watch(sup, result, RedisSettings(redis_url=cfg.redis_url, namespace=cfg.namespace), cfg.out / "metrics.jsonl",
+          total=cfg.steps, timeout_s=cfg.timeout_s, console=console, waiting="loading models...", poll_s=1.0)
     return result
 
 
