@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.flags import FlagSettings, doc_table
 from pipeline.serve.atropos.settings import AtroposSettings
+from pipeline.serve.student.settings import StudentServeSettings
 from workers.settings import FeederSettings, RolloutSettings, TeacherSettings, WorkerSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
@@ -27,6 +28,7 @@ TABLES: dict[str, type[FlagSettings]] = {
     "worker feeder": FeederSettings,
     "worker rollout": RolloutSettings,
     "serve atropos": AtroposSettings,
+    "serve student": StudentServeSettings,
 }
 
 _BLOCK = re.compile(r"(<!-- flags: (?P<name>[\w -]+?) -->\n)(?P<body>.*?)(<!-- /flags -->)", re.DOTALL)

@@ -1,4 +1,5 @@
-"""Settings classes as flags (``pipeline.flags``, ``workers/settings.py``): precedence flag > variable >
+"""Settings classes as flags (``pipeline.flags``, ``workers/settings.py``, ``serve atropos``/``serve student``'s
+settings): precedence flag > variable >
 default, bad values from either are usage errors naming the flag, every field's mapping reaches a real
 config parameter, and docs/cli.md's generated tables match the classes."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import argparse
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args
 
 import pytest
@@ -18,6 +20,11 @@ from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.sync_engines import ENGINES
 from pipeline.serve.atropos.settings import AtroposSettings
 from pipeline.serve.atropos.startup import ServeConfig
+from pipeline.serve.student import service as student_service
+from pipeline.serve.student.app import create_app
+from pipeline.serve.student.sessions import SessionStore
+from pipeline.serve.student.settings import StudentServeSettings
+from pipeline.serve.student.settings import WeightsSync as StudentWeightsSync
 from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.scoring import ScoringConfig
 from pipeline.teacher.hf import HFTeacher
@@ -27,11 +34,15 @@ from pipeline.teacher.vllm_http import HTTPTeacherConfig
 from workers import feeder, rollout, teacher
 from workers.settings import STAGE_SETTINGS, RolloutSettings, TeacherSettings, WeightsSync, WorkerSettings
 
-ALL: tuple[type[FlagSettings], ...] = (WorkerSettings, *STAGE_SETTINGS.values(), AtroposSettings)
+ALL: tuple[type[FlagSettings], ...] = (WorkerSettings, *STAGE_SETTINGS.values(), AtroposSettings,
+                                       StudentServeSettings)
 #: Every class a settings field maps into (``Flag.to``), by name.
 TARGETS: dict[str, Callable[..., Any]] = {c.__name__: c for c in (
     StreamSettings, ScoringConfig, HTTPTeacherConfig, VLLMEngineConfig, HFTeacher, SyntheticTeacher, BatchingConfig,
     GenParams, ServeConfig)}
+#: ``serve student``'s targets (its ``ServeConfig`` is not the Atropos server's).
+STUDENT_TARGETS: dict[str, Callable[..., Any]] = {c.__name__: c for c in (
+    student_service.ServeConfig, SessionStore, create_app)}
 ADD = {"teacher": teacher.add_arguments, "feeder": feeder.add_arguments, "rollout": rollout.add_arguments}
 
 
@@ -96,11 +107,12 @@ def test_bad_values_name_the_flag(
 
 def test_every_mapping_names_a_parameter_of_its_target() -> None:
     for cls in ALL:
+        known = STUDENT_TARGETS if cls is StudentServeSettings else TARGETS
         for name, field in cls.model_fields.items():
             for to in flag_of(field).to:
                 owner, _, param = to.partition(".")
-                assert owner in TARGETS, f"{cls.__name__}.{name}: unknown target {owner}"
-                assert (param or name) in inspect.signature(TARGETS[owner]).parameters, (cls.__name__, name, to)
+                assert owner in known, f"{cls.__name__}.{name}: unknown target {owner}"
+                assert (param or name) in inspect.signature(known[owner]).parameters, (cls.__name__, name, to)
 
 
 def test_configs_built_from_flags_carry_them() -> None:
@@ -130,6 +142,49 @@ def test_configs_built_from_flags_carry_them() -> None:
 
 def test_choices_match_the_code_that_takes_them() -> None:
     assert get_args(WeightsSync) == ENGINES
+    assert get_args(StudentWeightsSync) == ENGINES
+
+
+def student(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(p, StudentServeSettings)
+    return p.parse_args(list(argv))
+
+
+def test_serve_student_flags_keep_their_names_and_defaults() -> None:
+    assert vars(student()) == {
+        "backend": "hf", "model": None, "url": None, "vllm_model": None, "tokenizer": None,
+        "served_model_name": None, "max_model_len": None, "default_max_tokens": 256, "host": "127.0.0.1",
+        "port": 8100, "port_file": None, "group_size": 1, "env_id": 0, "policy_version": 0, "weights_dir": None,
+        "weights_sync": "vllm", "session_ttl": 1800.0, "max_sessions": 4096, "max_body_bytes": 33554432,
+        "metrics_port": 0, "api_key_var": None}
+    args = student("--served-model-name", "a", "--served-model-name", "b", "--port-file", "p", "--port", "0")
+    assert (args.served_model_name, args.port_file, args.port) == (["a", "b"], Path("p"), 0)
+    with pytest.raises(argparse.ArgumentError, match="argument --backend: invalid choice 'tgi'"):
+        student("--backend", "tgi")
+    s = from_args(StudentServeSettings, student("--group-size", "0", "--port", "70000", "--session-ttl", "nan"))
+    assert (s.group_size, s.port) == (0, 70000)  # ranges are serve_student.usage_error's, with its messages
+
+
+def test_serve_student_weights_sync_comes_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTILLQ_WEIGHTS_SYNC", "sglang")
+    assert student().weights_sync == "sglang" and student("--weights-sync", "vllm-lora").weights_sync == "vllm-lora"
+    assert StudentServeSettings().weights_sync == "sglang"
+    monkeypatch.setenv("DISTILLQ_METRICS_PORT", "9100")  # a worker's variable does not reach the server
+    assert student().metrics_port == 0
+    monkeypatch.setenv("DISTILLQ_WEIGHTS_SYNC", "rsync")
+    with pytest.raises(argparse.ArgumentError, match="argument --weights-sync: invalid choice 'rsync'"):
+        student()
+
+
+def test_serve_student_configs_carry_its_flags() -> None:
+    s = from_args(StudentServeSettings, student("--default-max-tokens", "9", "--group-size", "4", "--env-id", "2",
+                                                "--policy-version", "3", "--session-ttl", "60", "--max-sessions", "5"))
+    cfg = build(student_service.ServeConfig, s, served_names=("m",), max_model_len=64)
+    assert (cfg.default_max_tokens, cfg.group_size, cfg.env_id, cfg.policy_version, cfg.max_model_len) == (
+        9, 4, 2, 3, 64)
+    sessions = build(SessionStore, s)
+    assert (sessions.ttl_s, sessions.max_sessions) == (60.0, 5)
 
 
 def test_docs_tables_are_generated_from_the_settings_classes() -> None:

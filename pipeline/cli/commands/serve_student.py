@@ -9,10 +9,11 @@ Hook it into a ``serve`` subcommand parser with::
     add_student_arguments(p)
     p.set_defaults(func=run_student)
 
-``python -m pipeline.cli.commands.serve_student ARGS`` runs it without the ``distillq`` entry point. Either way a
-failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit status docs/cli.md
-gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be reached, 1 when
-the port cannot be bound. ``run_student`` raises them (``CliError``, pydantic's ``ValidationError``) and
+The flags are ``StudentServeSettings``' fields (``pipeline.serve.student.settings``), the checks that span them
+``usage_error``'s. ``python -m pipeline.cli.commands.serve_student ARGS`` runs it without the ``distillq`` entry
+point. Either way a failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit
+status docs/cli.md gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be
+reached, 1 when the port cannot be bound. ``run_student`` raises them (``CliError``, pydantic's ``ValidationError``) and
 ``pipeline.cli.errors.run_command`` prints them, as for every command.
 """
 
@@ -26,7 +27,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -34,7 +34,9 @@ import structlog
 from pipeline.cli.commands.common import ensure_reachable, run
 from pipeline.cli.errors import EXIT_USAGE, CliError, fail, run_command
 from pipeline.config import add_redis_args, redis_settings_from_args
+from pipeline.flags import add_flags, build, from_args
 from pipeline.logs import configure_logging
+from pipeline.serve.student.settings import StudentServeSettings
 
 if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
     from pipeline.rollout.students.base import StudentBackend
@@ -44,61 +46,9 @@ log = structlog.get_logger(__name__)
 
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``serve student``."""
-    p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="student backend")
-    p.add_argument("--model", help="hf: model directory, weights and tokenizer (default: none; required for hf)")
-    p.add_argument("--url", help="vllm: the vLLM server, http://host:port with or without /v1; several separated "
-                                 "by commas, used round-robin (default: none; required for vllm)")
-    p.add_argument("--vllm-model", help="vllm: the model name on that server (default: the first it serves)")
-    p.add_argument("--tokenizer", help="tokenizer directory (default: --model; required with --backend vllm)")
-    p.add_argument(
-        "--served-model-name",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="name clients use for the model, repeatable (default: hf: the --model path as given; vllm: the "
-             "name the vLLM server serves it under, --vllm-model or the first it lists)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context length reported by /v1/models and enforced (default: the model's)",
-    )
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8100, help="port (0: any free port, see --port-file)")
-    p.add_argument("--port-file", type=Path, default=None,
-                   help="write the bound port here once listening (default: none)")
-    p.add_argument("--group-size", type=int, default=1, help="rollouts per group unless a finish says otherwise")
-    p.add_argument("--env-id", type=int, default=0, help="env_id of the groups pushed")
-    p.add_argument("--policy-version", type=int, default=0,
-                   help="policy_version of the groups pushed (with --weights-dir: the version the server reports)")
-    p.add_argument("--weights-dir", default=None, metavar="DIR",
-                   help="vllm: keep every --url server on the newest version a learner publishes here and tag each "
-                        "group with the version its requests ran on (default: none)")
-    p.add_argument("--weights-sync", choices=("vllm", "vllm-lora", "sglang"),
-                   default=os.environ.get("DISTILLQ_WEIGHTS_SYNC") or "vllm",
-                   help="with --weights-dir: vllm (reload in place), vllm-lora (an adapter per version) or sglang "
-                        "(env DISTILLQ_WEIGHTS_SYNC)")
-    p.add_argument(
-        "--session-ttl",
-        type=float,
-        default=1800.0,
-        help="seconds before an idle unfinished rollout (or an incomplete group) is dropped (flushed)",
-    )
-    p.add_argument("--max-sessions", type=int, default=4096, help="rollouts tracked at once (LRU eviction)")
-    p.add_argument("--max-body-bytes", type=int, default=32 << 20,
-                   help="request bodies above this many bytes are refused with 413 (default: 33554432, 32 MiB)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    p.add_argument(
-        "--api-key-var",
-        default=None,
-        metavar="VAR",
-        help="name of an environment variable holding a key clients must send as a bearer token (default: none, "
-             "no key)",
-    )
-    add_redis_args(p)  # fmt: skip
+    """The flags of ``serve student``: ``StudentServeSettings``' fields, then ``--redis-url``/``--namespace``."""
+    add_flags(p, StudentServeSettings)
+    add_redis_args(p)
 
 
 def _hf_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
@@ -159,15 +109,8 @@ def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig
 def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, vocab: int | None) -> ServeConfig:
     from pipeline.serve.student.service import ServeConfig
 
-    return ServeConfig(
-        served_names=names,
-        max_model_len=max_len,
-        vocab_size=vocab,
-        default_max_tokens=args.default_max_tokens,
-        group_size=args.group_size,
-        env_id=args.env_id,
-        policy_version=args.policy_version,
-    )
+    return build(ServeConfig, from_args(StudentServeSettings, args), served_names=names, max_model_len=max_len,
+                 vocab_size=vocab)
 
 
 async def _serve(
@@ -209,12 +152,13 @@ async def _serve_app(
     from pipeline.transport.sdk import AsyncGroupProducer
 
     rs = redis_settings_from_args(args)
+    settings = from_args(StudentServeSettings, args)
     async with AsyncGroupProducer(rs.redis_url, namespace=rs.namespace) as producer:
-        sessions = SessionStore(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
+        sessions = build(SessionStore, settings)
         service = StudentService(backend, config, producer.push, sessions=sessions)
         api_key = os.environ.get(args.api_key_var) if args.api_key_var else None
-        app = create_app(service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)), api_key=api_key,
-                         max_body_bytes=args.max_body_bytes)
+        app = build(create_app, settings, service=service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)),
+                    api_key=api_key)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
         stopped: list[int] = []
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}

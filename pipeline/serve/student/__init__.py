@@ -1,8 +1,8 @@
 """The verifiers-compatible student endpoint (``distillq serve student``), and verifiers' rollouts as groups.
 
 ``app`` (the HTTP routes), ``service`` (sampling, tracking, groups), ``sessions`` (one tracker per rollout,
-groups waiting for their rollouts), ``validation`` (request checks). The argparse glue is
-``pipeline.cli.commands.serve_student``.
+groups waiting for their rollouts), ``validation`` (request checks), ``settings`` (the command's flags,
+``StudentServeSettings``). The argparse glue is ``pipeline.cli.commands.serve_student``.
 
 Public here: the converter from verifiers' own records (``verifiers``): ``groups_from_traces``,
 ``trace_sequences``, ``finish_body`` and their helpers. They load on first use, so building the CLI's parser
