@@ -141,17 +141,18 @@ def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: 
 
 
 def task_figures(result: DemoResult) -> dict[str, float]:
-    """Task accuracies: the teacher's, and the student's first and last."""
-    recs = [r for r in result.history if "heldout_task_accuracy" in r]
+    """Task metrics (accuracy, answer log-likelihood): the teacher's, and the student's first and last."""
     out: dict[str, float] = {}
-    teacher_acc = [r["teacher_task_accuracy"] for r in result.history if "teacher_task_accuracy" in r]
-    if teacher_acc:
-        out["teacher_task_accuracy"] = teacher_acc[0]
-    if recs:
-        out["heldout_task_accuracy_start"] = recs[0]["heldout_task_accuracy"]
-    if len(recs) > 1:
-        out["heldout_task_accuracy_end"] = recs[-1]["heldout_task_accuracy"]
-        out["heldout_task_accuracy_end_step"] = recs[-1]["step"]
+    for metric in ("task_accuracy", "answer_logprob"):
+        recs = [r for r in result.history if f"heldout_{metric}" in r]
+        teacher = [r[f"teacher_{metric}"] for r in result.history if f"teacher_{metric}" in r]
+        if teacher:
+            out[f"teacher_{metric}"] = teacher[0]
+        if recs:
+            out[f"heldout_{metric}_start"] = recs[0][f"heldout_{metric}"]
+        if len(recs) > 1:
+            out[f"heldout_{metric}_end"] = recs[-1][f"heldout_{metric}"]
+            out[f"heldout_{metric}_end_step"] = recs[-1]["step"]
     return out
 
 

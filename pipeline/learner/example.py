@@ -125,6 +125,14 @@ class Evaluator:
         self.student.train()
         return acc
 
+    def answer_logprob(self, model: Any) -> float:
+        from pipeline.models.taskeval import answer_logprob
+
+        model.eval()
+        lp = answer_logprob(model, self.tokenizer, self.task_rows)
+        self.student.train()
+        return lp
+
     def record(self, rec: dict[str, float], step: int, *, first: bool = False, last: bool = False) -> None:
         """Add the held-out figures due at ``step`` to ``rec``."""
         if self.teacher is None:
@@ -133,8 +141,10 @@ class Evaluator:
             rec["heldout_reverse_kl"] = self.reverse_kl(step)
         if self.task_rows and (first or last):
             rec["heldout_task_accuracy"] = self.task(self.student)
+            rec["heldout_answer_logprob"] = self.answer_logprob(self.student)
         if self.task_rows and first:
             rec["teacher_task_accuracy"] = self.task(self.teacher)
+            rec["teacher_answer_logprob"] = self.answer_logprob(self.teacher)
 
 
 def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:

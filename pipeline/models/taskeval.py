@@ -1,7 +1,10 @@
-"""The held-out task metric of a chat model: greedy answers to prompts with checkable answers, and accuracy.
+"""The held-out task metrics of a chat model on prompts with checkable answers.
 
-Prompts are the rows of ``pipeline.models.realtasks`` (``messages`` and ``accept``); each is answered greedily
-with at most ``max_new`` tokens, in left-padded batches, and is right when ``realtasks.is_correct`` says so.
+Prompts are the rows of ``pipeline.models.realtasks`` (``messages``, ``answer`` and ``accept``). Accuracy: each
+is answered greedily with at most ``max_new`` tokens, in left-padded batches, and is right when
+``realtasks.is_correct`` says so. Answer log-likelihood: the mean log-probability per token the model gives the
+row's reference ``answer`` right after the generation prompt (teacher-forced), averaged over the rows: a
+continuous measure of the same task, which moves while a weak model's greedy answers are all still wrong.
 """
 
 from __future__ import annotations
@@ -44,3 +47,21 @@ def task_accuracy(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], *,
         return float("nan")
     answers = greedy_answers(model, tokenizer, rows, max_new=max_new)
     return sum(is_correct(a, r["accept"]) for a, r in zip(answers, rows, strict=True)) / len(rows)
+
+
+@torch.inference_mode()
+def answer_logprob(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]]) -> float:
+    """Mean over ``rows`` of the mean log-probability (nats per token) of ``row["answer"]``'s tokens after the
+    row's ``messages`` and the generation prompt."""
+    if not rows:
+        return float("nan")
+    device = next(model.parameters()).device
+    per_row: list[float] = []
+    for r in rows:
+        prompt: list[int] = tokenizer.apply_chat_template(r["messages"], tokenize=True, add_generation_prompt=True,
+                                                          return_dict=False)
+        answer: list[int] = tokenizer(r["answer"], add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt + answer], device=device)
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        per_row.append(float(logp.gather(-1, ids[0, len(prompt):, None]).mean()))
+    return sum(per_row) / len(per_row)

@@ -64,6 +64,11 @@ def test_real_pair_distills_on_the_pipeline(tmp_path: Path, redis_url: str) -> N
     assert end < start * 0.9, (start, end)
     for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end"):
         assert 0.0 <= summary[name] <= 1.0
+    # the continuous task metric: the teacher gives the reference answers a higher likelihood than the pruned
+    # student starts with
+    assert summary["teacher_answer_logprob"] > summary["heldout_answer_logprob_start"]
+    assert all(summary[n] < 0 for n in ("teacher_answer_logprob", "heldout_answer_logprob_start",
+                                        "heldout_answer_logprob_end"))
     assert summary["throughput"]["teacher"]["tokens"] > 0
     assert summary["throughput"]["learner"]["steps"] == cfg.steps
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout

@@ -79,14 +79,18 @@ def test_report_figures_from_the_learner_records() -> None:
     from pipeline.cli.demo_real import task_figures, throughput
 
     history = [
-        {"step": 0.0, "heldout_reverse_kl": 7.0, "heldout_task_accuracy": 0.0, "teacher_task_accuracy": 0.6},
+        {"step": 0.0, "heldout_reverse_kl": 7.0, "heldout_task_accuracy": 0.0, "teacher_task_accuracy": 0.6,
+         "heldout_answer_logprob": -9.0, "teacher_answer_logprob": -1.5},
         {"step": 1.0, "tokens": 300.0, "step_s": 10.0},
-        {"step": 2.0, "tokens": 500.0, "step_s": 10.0, "heldout_reverse_kl": 3.0, "heldout_task_accuracy": 0.25},
+        {"step": 2.0, "tokens": 500.0, "step_s": 10.0, "heldout_reverse_kl": 3.0, "heldout_task_accuracy": 0.25,
+         "heldout_answer_logprob": -4.0},
     ]
     result = DemoResult(history=history, elapsed_s=40.0,
                         stages={"teacher": {"handled": 3, "started": 1.0, "tokens_scored": 900}})
     assert task_figures(result) == {"teacher_task_accuracy": 0.6, "heldout_task_accuracy_start": 0.0,
-                                    "heldout_task_accuracy_end": 0.25, "heldout_task_accuracy_end_step": 2.0}
+                                    "heldout_task_accuracy_end": 0.25, "heldout_task_accuracy_end_step": 2.0,
+                                    "teacher_answer_logprob": -1.5, "heldout_answer_logprob_start": -9.0,
+                                    "heldout_answer_logprob_end": -4.0, "heldout_answer_logprob_end_step": 2.0}
     t = throughput(result)
     assert t["learner"] == {"steps": 2, "tokens": 800, "optimiser_s": 20.0, "tokens_per_s_optimiser": 40.0,
                             "s_per_step_wall": 20.0}

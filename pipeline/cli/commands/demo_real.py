@@ -79,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
                            "steps": cfg.steps, "lr": cfg.lr, "top_k": cfg.top_k, "group_size": cfg.group_size,
                            "max_tokens": cfg.max_tokens}
         summary["total_s"] = round(time.monotonic() - t0, 1)
-        for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end"):
+        for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end",
+                     "teacher_answer_logprob", "heldout_answer_logprob_start", "heldout_answer_logprob_end"):
             if name in summary:
                 console.print(f"{name}: {summary[name]:.3f}")
         (args.out / "report.json").write_text(json.dumps(summary, indent=2))
