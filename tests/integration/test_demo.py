@@ -52,9 +52,11 @@ def test_demo_twice_in_one_folder_then_resumed(tmp_path: Path) -> None:
           f"{resumed['heldout_reverse_kl_end']:.3f}")
     assert f"resuming the run in {out} from learner step {STEPS}" in stderr
     assert (resumed["first_step"], resumed["last_step"]) == (STEPS, STEPS + more)
-    # it goes on from the weights the last run ended with, under their policy version, and keeps falling
+    # it goes on from the weights the last run ended with, under their policy version, and stays trained: near
+    # its floor after STEPS steps the figure moves within the evaluation's noise (1.124 -> 0.795 in one run,
+    # 0.814 -> 0.835 in another), far below the untrained student's
     assert resumed["heldout_reverse_kl_start"] == pytest.approx(second["heldout_reverse_kl_end"], rel=1e-6)
-    assert resumed["heldout_reverse_kl_end"] < resumed["heldout_reverse_kl_start"]
+    assert resumed["heldout_reverse_kl_end"] < first["heldout_reverse_kl_start"] / 4
     after = [r for r in records(out) if r["step"] > STEPS]
     assert [r["step"] for r in after] == list(range(STEPS + 1, STEPS + more + 1))
     assert [r["policy_version"] for r in after] == [float(s) for s in range(STEPS + 1, STEPS + more + 1)]
