@@ -36,7 +36,7 @@ class RealDemoConfig:
     redis_url: str
     out: Path
     namespace: str = "demo"
-    steps: int = 80
+    steps: int = 120
     group_size: int = 4
     groups_per_batch: int = 2
     top_k: int = 64

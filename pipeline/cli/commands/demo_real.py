@@ -22,8 +22,6 @@ from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import redis_settings
 from pipeline.transport.connection import mask_url
 
-STEPS, TIMEOUT_S = 120, 1800.0
-
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
@@ -66,8 +64,8 @@ def main(args: argparse.Namespace) -> int:
             url = embedded.url
             console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
         namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
-        cfg = RealDemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or STEPS,
-                             timeout_s=args.timeout or TIMEOUT_S, device=args.device)
+        cfg = RealDemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or RealDemoConfig.steps,
+                             timeout_s=args.timeout or RealDemoConfig.timeout_s, device=args.device)
         console.print(f"enqueued {enqueue(cfg)} prompts")
         result = run_pipeline(cfg, pair.student, pair.teacher, console)
         with console.status("evaluating the last published weights..."):
