@@ -14,6 +14,10 @@ Per model and backend:
   log-softmax, top-k).
 * **vllm-engine**: the limit is the engine prefilling the same sequences without prompt logprobs
   (``VLLMEngineTeacher.prefill``); the teacher is ``VLLMEngineTeacher.score``.
+* **vllm-http**: the stock vLLM OpenAI server with the same engine settings; the limit is the server
+  completing one token per sequence without prompt logprobs; the teacher is ``VLLMTeacher.score``
+  (``prompt_logprobs`` as JSON). Where both vLLM backends ran, one more row per model gives
+  vllm-engine's throughput over vllm-http's at each k (the target: 5x at k=256).
 
 Each figure is the best of ``--reps`` calls after one warm-up; ``teacher / limit`` is the fraction of
 the bare prefill throughput the teacher keeps.
@@ -32,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.teacher_k import ROOT, started, time_call
+from bench.teacher_k import ROOT, http_server, started, time_call
 from pipeline.teacher.base import ScoreRequest
 
 
@@ -157,20 +161,70 @@ async def engine_rows(path: Path, arch: Arch, args: argparse.Namespace) -> dict[
     return out
 
 
+async def http_rows(path: Path, arch: Arch, args: argparse.Namespace) -> dict[str, float]:
+    """The stock server: one-token completions without prompt logprobs (the limit), then the teacher."""
+    import httpx
+
+    from pipeline.teacher.vllm_http import HTTPTeacherConfig, VLLMTeacher
+    from tests.redis_server import free_port
+
+    extra = ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+             "--max-logprobs", str(max(args.k)), "--max-model-len", str(max(args.batch[1], 256)),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
+    if args.enforce_eager:
+        extra.append("--enforce-eager")
+    out: dict[str, float] = {}
+    n_tok = args.batch[0] * args.batch[1]
+    with http_server(args.vllm_python, path, free_port(), extra, Path(args.log_dir) / "bench-gpu-vllm-http.log") as url:
+        async with httpx.AsyncClient(base_url=url, timeout=3600.0) as client:
+
+            async def bare(seed: int) -> float:
+                seqs = sequences(args.batch[0], args.batch[1], arch.vocab, seed)
+                body = {"model": "teacher", "max_tokens": 1, "temperature": 0.0}
+                t0 = time.perf_counter()
+                answers = await asyncio.gather(*(client.post("/v1/completions", json={**body, "prompt": s.tolist()})
+                                                 for s in seqs))  # fmt: skip
+                dt = time.perf_counter() - t0
+                for a in answers:
+                    a.raise_for_status()
+                return dt
+
+            await bare(99)
+            out["limit"] = n_tok / min([await bare(r) for r in range(args.reps)])
+        t = VLLMTeacher(HTTPTeacherConfig(urls=(url,), k=1, timeout_s=3600.0, max_concurrency=args.batch[0]))
+        async with started(t):
+            for k in args.k:
+                reqs = [ScoreRequest(s, k) for s in sequences(args.batch[0], args.batch[1], arch.vocab, 7)]
+                await time_call(t, reqs)
+                best = min([await time_call(t, reqs) for _ in range(args.reps)])
+                out[f"k={k}"] = (n_tok - args.batch[0]) / best
+    return out
+
+
+RUNS = {"hf": hf_rows, "vllm-engine": engine_rows, "vllm-http": http_rows}
+
+
 def table(rows: list[tuple[str, str, dict[str, float]]], ks: list[int]) -> str:
+    """One row per model and backend; then, per model where both vLLM backends ran, engine over HTTP."""
     cols = " | ".join(f"k={k} tok/s (of limit)" for k in ks)
     head = f"| model | backend | bare prefill tok/s (limit) | {cols} |"
     lines = [head, "|---|---|---|" + "---|" * len(ks)]
     for model, backend, r in rows:
         cells = " | ".join(f"{r[f'k={k}']:,.0f} ({r[f'k={k}'] / r['limit']:.2f})" for k in ks)
         lines.append(f"| {model} | {backend} | {r['limit']:,.0f} | {cells} |")
+    by = {(model, backend): r for model, backend, r in rows}
+    for model in dict.fromkeys(m for m, _, _ in rows):
+        e, h = by.get((model, "vllm-engine")), by.get((model, "vllm-http"))
+        if e and h:
+            ratios = " | ".join(f"{e[f'k={k}'] / h[f'k={k}']:.2f}x" for k in ks)
+            lines.append(f"| {model} | vllm-engine / vllm-http | {e['limit'] / h['limit']:.2f}x | {ratios} |")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--models", nargs="+", choices=sorted(ARCHS), default=["qwen2.5-1.5b", "qwen2.5-7b"])
-    p.add_argument("--backends", nargs="+", choices=["hf", "vllm-engine"], default=["hf", "vllm-engine"])
+    p.add_argument("--backends", nargs="+", choices=list(RUNS), default=list(RUNS))
     p.add_argument("--k", type=int, nargs="+", default=[64, 256])
     p.add_argument("--batch", type=int, nargs=2, default=[16, 2048], metavar=("N", "LEN"))
     p.add_argument("--reps", type=int, default=3)
@@ -180,6 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--log-dir", default="/tmp", help="where the vllm-http server's log goes")
     p.add_argument("--tiny", action="store_true",
                    help="check the harness on CPU: the tiny model, float32, 2 x 64 tokens, one rep")  # fmt: skip
     args = p.parse_args(argv)
@@ -203,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         path = build(name, args.dtype, args.device)
         for backend in args.backends:
-            run = hf_rows if backend == "hf" else engine_rows
-            r = asyncio.run(run(path, ARCHS[name], args))
+            r = asyncio.run(RUNS[backend](path, ARCHS[name], args))
             print(f"{name} {backend}: {r}", file=sys.stderr, flush=True)
             rows.append((name, backend, r))
     print(table(rows, args.k))

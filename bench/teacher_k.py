@@ -5,15 +5,18 @@ Run: ``python -m bench.teacher_k`` (``--markdown`` prints the rows for bench/RES
 Backends: ``hf`` (``HFTeacher`` in-process), ``vllm-engine`` (``VLLMEngineTeacher``: vLLM's engine in a
 child process, arrays over a pipe) and ``vllm-http`` (``VLLMTeacher``: a stock vLLM OpenAI server,
 ``prompt_logprobs`` as JSON). Both vLLM backends run vLLM from ``--vllm-python`` (default
-``.venv-vllm/bin/python``), one at a time, with the same engine settings (float32, eager,
-``--max-num-batched-tokens``), and are skipped when it is missing.
+``.venv-vllm/bin/python``), one at a time, with the same engine settings (dtype, eager,
+``--max-num-batched-tokens``), and are skipped when it is missing. Weights are bfloat16 by default
+(``--dtype``), as a GPU teacher runs; every backend takes the log-softmax in float32.
 
 Model: a random-weight Llama whose lm_head is as wide as a 1-2B model's (hidden 1024, vocabulary 151,936;
 ``--layers`` decoder layers, 2 by default, to keep CPU time sane), built locally once. Shapes: 8 unrelated
 sequences x 1024 tokens, every row, in one call; and one long sequence (``--long``, 4096 tokens). For each
 backend the k values run back to back (``--reps`` rounds, best kept) after one 512-token warm-up, so their
 ratios are measured under the same machine load. Figures: ms per scored token, the ratio k=256 / k=1,
-and vllm-engine's throughput over vllm-http's at each k.
+and vllm-engine's throughput over vllm-http's at each k; then the same as CPU ms per scored token, all
+processes of the run together (this one, the engine or server and its engine core): on a CPU the stock
+server turns entries into objects and JSON on a core its model does not use, which wall time hides.
 """
 
 from __future__ import annotations
@@ -73,27 +76,52 @@ def requests(shape: Shape, vocab: int, k: int, seed: int = 0) -> list[ScoreReque
 
 
 async def time_call(backend: TeacherBackend, reqs: list[ScoreRequest]) -> float:
-    t0 = time.perf_counter()
+    return (await timed_call(backend, reqs))[0]
+
+
+async def timed_call(backend: TeacherBackend, reqs: list[ScoreRequest]) -> tuple[float, float]:
+    """Wall seconds of one ``score`` call, and the CPU seconds all processes of this run spent in it."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
     out = await backend.score(reqs)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     bad = [o for o in out if not isinstance(o, ScoreResult)]
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")
-    return dt
+    return dt, cpu
 
 
-async def measure(backend: TeacherBackend, shapes: list[Shape], ks: tuple[int, ...], reps: int) -> dict[str, Any]:
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and every process under it (the vLLM engine or server
+    with its engine core): where a server's per-entry Python runs on a core the model does not use, wall
+    time hides it and CPU time does not."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in (me, *me.children(recursive=True)):
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+#: Per shape name, per k: (wall ms per token, CPU ms per token) of the fastest round.
+Figures = dict[str, dict[int, tuple[float, float]]]
+
+
+async def measure(backend: TeacherBackend, shapes: list[Shape], ks: tuple[int, ...], reps: int,
+                  vocab: int = VOCAB) -> Figures:  # fmt: skip
     """ms per scored token by (shape, k): best of ``reps`` rounds, each round every k back to back."""
-    vocab = VOCAB
-    out: dict[str, dict[int, float]] = {s.name: {} for s in shapes}
+    out: Figures = {s.name: {} for s in shapes}
     await time_call(backend, requests(Shape("warm-up", (512,)), vocab, ks[0], 99))
     for s in shapes:
         for rep in range(reps):
             for k in ks:
-                dt = await time_call(backend, requests(s, vocab, k, rep))
-                ms = 1000 * dt / s.tokens
-                out[s.name][k] = min(out[s.name].get(k, float("inf")), ms)
-                print(f"  {s.name} k={k}: {ms:.3f} ms/token", file=sys.stderr, flush=True)
+                dt, cpu = await timed_call(backend, requests(s, vocab, k, rep))
+                ms, cpu_ms = 1000 * dt / s.tokens, 1000 * cpu / s.tokens
+                if ms < out[s.name].get(k, (float("inf"), 0.0))[0]:
+                    out[s.name][k] = (ms, cpu_ms)
+                print(f"  {s.name} k={k}: {ms:.3f} ms/token, {cpu_ms:.3f} CPU ms/token", file=sys.stderr, flush=True)
     return out
 
 
@@ -173,20 +201,23 @@ async def run_backend(name: str, model: Path, shapes: list[Shape], args: argpars
             return await measure(t, shapes, ks, args.reps)
 
 
-def table(res: dict[str, dict[str, dict[int, float]]], shapes: list[Shape], ks: tuple[int, ...]) -> str:
+def table(res: dict[str, Figures], shapes: list[Shape], ks: tuple[int, ...]) -> str:
+    """Per shape: wall ms per token (throughput) and CPU ms per token (all processes), with k=last / k=first."""
     lines = []
     for s in shapes:
-        lines.append(f"\n{s.name} ({s.tokens:,} scored tokens), ms per token:\n")
-        lines.append("| backend | " + " | ".join(f"k={k}" for k in ks) + f" | k={ks[-1]} / k={ks[0]} |")
-        lines.append("|---|" + "---|" * (len(ks) + 1))
-        for name, by_shape in res.items():
-            row = by_shape[s.name]
-            ratio = row[ks[-1]] / row[ks[0]]
-            lines.append(f"| {name} | " + " | ".join(f"{row[k]:.3f}" for k in ks) + f" | {ratio:.2f} |")
-        if "vllm-engine" in res and "vllm-http" in res:
-            e, h = res["vllm-engine"][s.name], res["vllm-http"][s.name]
-            lines.append("| vllm-engine throughput / vllm-http | " + " | ".join(f"{h[k] / e[k]:.2f}x" for k in ks)
-                         + " | |")  # fmt: skip
+        for col, what in ((0, "ms per token"), (1, "CPU ms per token, all processes")):
+            lines.append(f"\n{s.name} ({s.tokens:,} scored tokens), {what}:\n")
+            lines.append("| backend | " + " | ".join(f"k={k}" for k in ks) + f" | k={ks[-1]} / k={ks[0]} |")
+            lines.append("|---|" + "---|" * (len(ks) + 1))
+            for name, by_shape in res.items():
+                row = {k: v[col] for k, v in by_shape[s.name].items()}
+                ratio = row[ks[-1]] / row[ks[0]]
+                lines.append(f"| {name} | " + " | ".join(f"{row[k]:.3f}" for k in ks) + f" | {ratio:.2f} |")
+            if "vllm-engine" in res and "vllm-http" in res:
+                e, h = res["vllm-engine"][s.name], res["vllm-http"][s.name]
+                label = "vllm-engine throughput / vllm-http" if col == 0 else "vllm-http CPU / vllm-engine"
+                lines.append(f"| {label} | "
+                             + " | ".join(f"{h[k][col] / e[k][col]:.2f}x" for k in ks) + " | |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -200,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long", type=int, default=4096, help="tokens of the long-sequence shape (0: none)")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="bfloat16", help="weights (log-softmax is float32 in every backend)")
     p.add_argument("--hf-batch-tokens", type=int, default=8192)
     p.add_argument("--vllm-python", default=os.environ.get("DISTILLQ_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)

@@ -51,6 +51,18 @@ def test_bench_gpu_refuses_without_cuda() -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 @needs_vllm
-def test_bench_gpu_tiny_vllm_engine() -> None:
-    rows = run_bench("--backends", "vllm-engine")
-    assert [r[0] for r in rows] == ["vllm-engine"]
+def test_bench_gpu_tiny_vllm_engine_and_server() -> None:
+    """Both vLLM backends, then the row of the engine's throughput over the stock server's."""
+    rows = run_bench("--backends", "vllm-engine", "vllm-http")
+    assert [r[0] for r in rows] == ["vllm-engine", "vllm-http"]
+
+
+def test_engine_over_server_row() -> None:
+    from bench.gpu import table
+
+    rows = [("m", "vllm-engine", {"limit": 100.0, "k=64": 80.0, "k=256": 60.0}),
+            ("m", "vllm-http", {"limit": 100.0, "k=64": 40.0, "k=256": 10.0}),
+            ("m", "hf", {"limit": 50.0, "k=64": 50.0, "k=256": 25.0})]  # fmt: skip
+    out = table(rows, [64, 256])
+    assert out.splitlines()[-1] == "| m | vllm-engine / vllm-http | 1.00x | 2.00x | 6.00x |"
+    assert "/ vllm-http" not in table(rows[:1] + rows[2:], [64, 256])

@@ -10,6 +10,7 @@ engine and one server per module, both stopped by pid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import signal
@@ -196,6 +197,31 @@ async def test_python_without_vllm_refuses_to_start() -> None:
     with pytest.raises(TeacherConfigError, match="engine start failed: ModuleNotFoundError"):
         await t.start()
     assert t.pid is None
+
+
+def bound_cores(pid: int) -> set[int]:
+    """The cores that threads of ``pid`` and its descendants are pinned to alone (vLLM's CPU build pins
+    each OpenMP thread of its model runner to one core)."""
+    import psutil
+
+    cores: set[int] = set()
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for p in procs:
+        for t in p.threads():
+            with contextlib.suppress(OSError):
+                if len(aff := os.sched_getaffinity(t.id)) == 1:
+                    cores |= aff
+    return cores
+
+
+@pytest.mark.skipif(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") is not None, reason="reservation set by the user")
+async def test_engine_runs_the_model_on_every_core(engine: VLLMEngineTeacher) -> None:
+    """vllm-cpu keeps one core for its front end by default; the engine process's front end only moves
+    arrays, so its model runner is given every core this process may use."""
+    assert engine.pid is not None
+    await engine.score([ScoreRequest(np.arange(1, 60, dtype=np.int32), 5)])
+    want = os.sched_getaffinity(0)
+    assert bound_cores(engine.pid) == want
 
 
 async def test_dead_engine_fails_retryably(engine: VLLMEngineTeacher) -> None:
