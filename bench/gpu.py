@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.teacher_k import ROOT, http_server, started, time_call
-from pipeline.teacher.base import ScoreRequest
+from bench.teacher_k import ROOT, http_server, server_flags, started, time_call
+from pipeline.teacher.base import ScoreRequest, TeacherBackend
 
 
 @dataclass(frozen=True)
@@ -126,21 +126,32 @@ async def hf_rows(path: Path, arch: Arch, args: argparse.Namespace) -> dict[str,
 
         bare(99)
         out["limit"] = n_tok / min(bare(r) for r in range(args.reps))
-        for k in args.k:
-            reqs = [ScoreRequest(s, k) for s in sequences(args.batch[0], args.batch[1], arch.vocab, 7)]
-            await time_call(t, reqs)
-            best = min([await time_call(t, reqs) for _ in range(args.reps)])
-            out[f"k={k}"] = (n_tok - args.batch[0]) / best
+        out.update(await teacher_rows(t, arch, args))
     return out
+
+
+async def teacher_rows(t: TeacherBackend, arch: Arch, args: argparse.Namespace) -> dict[str, float]:
+    """Scored tokens/s of ``t`` at each k: best of ``args.reps`` calls after one warm-up call."""
+    out: dict[str, float] = {}
+    for k in args.k:
+        reqs = [ScoreRequest(s, k) for s in sequences(args.batch[0], args.batch[1], arch.vocab, 7)]
+        await time_call(t, reqs)
+        best = min([await time_call(t, reqs) for _ in range(args.reps)])
+        out[f"k={k}"] = args.batch[0] * (args.batch[1] - 1) / best
+    return out
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``VLLMEngineConfig``'s engine fields, for the engine and, as flags, for the stock server."""
+    return {"dtype": args.dtype, "gpu_memory_utilization": args.gpu_memory_utilization, "max_logprobs": max(args.k),
+            "max_model_len": max(args.batch[1], 256), "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enforce_eager": args.enforce_eager}  # fmt: skip
 
 
 async def engine_rows(path: Path, arch: Arch, args: argparse.Namespace) -> dict[str, float]:
     from pipeline.teacher.vllm_engine import VLLMEngineConfig, VLLMEngineTeacher
 
-    cfg = VLLMEngineConfig(model=str(path), python=args.vllm_python, k=1, max_logprobs=max(args.k),
-                           gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
-                           max_model_len=max(args.batch[1], 256), enforce_eager=args.enforce_eager,
-                           max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+    cfg = VLLMEngineConfig(model=str(path), python=args.vllm_python, k=1, **engine_settings(args))
     out: dict[str, float] = {}
     n_tok = args.batch[0] * args.batch[1]
     async with started(VLLMEngineTeacher(cfg)) as eng:
@@ -153,11 +164,7 @@ async def engine_rows(path: Path, arch: Arch, args: argparse.Namespace) -> dict[
             await eng.prefill(seqs)
             times.append(time.perf_counter() - t0)
         out["limit"] = n_tok / min(times)
-        for k in args.k:
-            reqs = [ScoreRequest(s, k) for s in sequences(args.batch[0], args.batch[1], arch.vocab, 7)]
-            await time_call(eng, reqs)
-            best = min([await time_call(eng, reqs) for _ in range(args.reps)])
-            out[f"k={k}"] = (n_tok - args.batch[0]) / best
+        out.update(await teacher_rows(eng, arch, args))
     return out
 
 
@@ -168,11 +175,7 @@ async def http_rows(path: Path, arch: Arch, args: argparse.Namespace) -> dict[st
     from pipeline.teacher.vllm_http import HTTPTeacherConfig, VLLMTeacher
     from tests.redis_server import free_port
 
-    extra = ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-             "--max-logprobs", str(max(args.k)), "--max-model-len", str(max(args.batch[1], 256)),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
-    if args.enforce_eager:
-        extra.append("--enforce-eager")
+    extra = server_flags(engine_settings(args))
     out: dict[str, float] = {}
     n_tok = args.batch[0] * args.batch[1]
     with http_server(args.vllm_python, path, free_port(), extra, Path(args.log_dir) / "bench-gpu-vllm-http.log") as url:
@@ -193,11 +196,7 @@ async def http_rows(path: Path, arch: Arch, args: argparse.Namespace) -> dict[st
             out["limit"] = n_tok / min([await bare(r) for r in range(args.reps)])
         t = VLLMTeacher(HTTPTeacherConfig(urls=(url,), k=1, timeout_s=3600.0, max_concurrency=args.batch[0]))
         async with started(t):
-            for k in args.k:
-                reqs = [ScoreRequest(s, k) for s in sequences(args.batch[0], args.batch[1], arch.vocab, 7)]
-                await time_call(t, reqs)
-                best = min([await time_call(t, reqs) for _ in range(args.reps)])
-                out[f"k={k}"] = (n_tok - args.batch[0]) / best
+            out.update(await teacher_rows(t, arch, args))
     return out
 
 

@@ -169,6 +169,17 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
             "max_model_len": args.max_model_len}  # fmt: skip
 
 
+def server_flags(es: dict[str, Any]) -> list[str]:
+    """The stock server's flags for the engine settings ``es`` (``VLLMEngineConfig``'s fields of the same names)."""
+    flags = ["--dtype", es["dtype"], "--gpu-memory-utilization", str(es["gpu_memory_utilization"]),
+             "--max-logprobs", str(es["max_logprobs"]), "--max-model-len", str(es["max_model_len"])]  # fmt: skip
+    if es["max_num_batched_tokens"]:
+        flags += ["--max-num-batched-tokens", str(es["max_num_batched_tokens"])]
+    if es["enforce_eager"]:
+        flags.append("--enforce-eager")
+    return flags
+
+
 async def run_backend(name: str, model: Path, shapes: list[Shape], args: argparse.Namespace) -> dict[str, Any]:
     ks = tuple(args.k)
     if name == "hf":
@@ -188,14 +199,8 @@ async def run_backend(name: str, model: Path, shapes: list[Shape], args: argpars
     from pipeline.teacher.vllm_http import HTTPTeacherConfig, VLLMTeacher
     from tests.redis_server import free_port
 
-    extra = ["--dtype", es["dtype"], "--gpu-memory-utilization", str(es["gpu_memory_utilization"]),
-             "--max-logprobs", str(es["max_logprobs"]), "--max-model-len", str(es["max_model_len"])]  # fmt: skip
-    if es["max_num_batched_tokens"]:
-        extra += ["--max-num-batched-tokens", str(es["max_num_batched_tokens"])]
-    if es["enforce_eager"]:
-        extra.append("--enforce-eager")
     log = Path(args.log_dir) / "vllm-http.log"
-    with http_server(args.vllm_python, model, free_port(), extra, log) as url:
+    with http_server(args.vllm_python, model, free_port(), server_flags(es), log) as url:
         t = VLLMTeacher(HTTPTeacherConfig(urls=(url,), k=1, timeout_s=3600.0, max_concurrency=16))
         async with started(t):
             return await measure(t, shapes, ks, args.reps)

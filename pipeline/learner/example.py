@@ -120,18 +120,20 @@ class Evaluator:
     def task(self, model: Any) -> float:
         from pipeline.models.taskeval import task_accuracy
 
-        model.eval()
-        acc = task_accuracy(model, self.tokenizer, self.task_rows, max_new=self.cfg.eval_max_new)
-        self.student.train()
-        return acc
+        return self._on_task(model, lambda: task_accuracy(model, self.tokenizer, self.task_rows,
+                                                          max_new=self.cfg.eval_max_new))  # fmt: skip
 
     def answer_logprob(self, model: Any) -> float:
         from pipeline.models.taskeval import answer_logprob
 
+        return self._on_task(model, lambda: answer_logprob(model, self.tokenizer, self.task_rows))
+
+    def _on_task(self, model: Any, metric: Callable[[], float]) -> float:
+        """``metric()`` with ``model`` in eval mode; the student back in train mode after."""
         model.eval()
-        lp = answer_logprob(model, self.tokenizer, self.task_rows)
+        value = metric()
         self.student.train()
-        return lp
+        return value
 
     def record(self, rec: dict[str, float], step: int, *, first: bool = False, last: bool = False) -> None:
         """Add the held-out figures due at ``step`` to ``rec``."""
