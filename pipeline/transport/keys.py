@@ -27,6 +27,9 @@ key                                                type          written by / me
 ``ns:dropped:<group id>``                          string (TTL)  feeder: why it dropped a group (stale, no payload;
                                                                  JSON), for ``distillq where``
 ``ns:config``                                      hash          pipeline settings all workers agree on (shards)
+``ns:incidents``                                   stream        any process: faults outside distillq it noticed
+                                                                 (Redis reset, data lost), for ``stats``
+                                                                 ``attention:`` (``transport.incidents``)
 ``ns:arq:*``                                       (arq)         rollout job queue, owned by arq (transport.jobs)
 ``{ns:atropos}:trainer``                           hash          ``serve atropos``: the trainer's registration
                                                                  (batch size, ...), step, started
@@ -213,6 +216,11 @@ class Keys:
     @property
     def config(self) -> str:
         return f"{self.namespace}:config"
+
+    @property
+    def incidents(self) -> str:
+        """Faults from outside distillq that a process noticed (``pipeline.transport.incidents``)."""
+        return f"{self.namespace}:incidents"
 
     def atropos(self, part: str) -> str:
         """A key of the Atropos-compatible server (``distillq serve atropos``): ``{ns:atropos}:<part>``, one
