@@ -3,40 +3,26 @@ its dedupe markers and the feeder's drop record (``distillq where``). Reads only
 
 Entries of ``rollouts``, ``scored`` and the DLQ are matched on their group id field inside Redis (a script
 pages through the stream and returns entry ids only, so no payload crosses the network); batches are
-matched on the group ids their manifests list.
+matched on the group ids their manifests list. Each dead letter comes with what ``dlq replay`` would do with
+it, or why it cannot and what to do instead (``pipeline.cli.recovery.assess``), so the summary advises only
+what works.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import redis.asyncio as aioredis
 
+from pipeline.cli.deadletters import Refusal, Replay, resample_hint
+from pipeline.cli.groupscan import batches_listing, find_entries
+from pipeline.cli.recovery import assess, dead_letters_of
 from pipeline.config import StreamSettings
 from pipeline.transport.keys import CONSUMER_GROUPS, Keys
-from pipeline.transport.producer import F_DATA, F_ID
+from pipeline.transport.producer import F_ID
 from pipeline.transport.sharding import get_shards
-from schemas import BatchManifest, DecodeError, TrainBatch, decode
-
-_PAGE: Final = 200
-
-# Entry ids whose field ARGV[2] equals ARGV[1], paging through the whole stream server-side.
-_FIND: Final = """
-local found, start = {}, '-'
-while true do
-  local page = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', 200)
-  for _, e in ipairs(page) do
-    local f = e[2]
-    for i = 1, #f, 2 do
-      if f[i] == ARGV[2] and f[i + 1] == ARGV[1] then table.insert(found, e[1]) end
-    end
-  end
-  if #page < 200 then return found end
-  start = '(' .. page[#page][1]
-end
-"""
 
 
 @dataclass(slots=True)
@@ -47,6 +33,7 @@ class Sighting:
     idle_s: float | None = None
     deliveries: int | None = None
     detail: str = ""
+    advice: str = ""  # dead letters: what ``dlq replay`` does with it, or why not and what to do
 
 
 @dataclass(slots=True)
@@ -84,49 +71,24 @@ async def _pending(redis: aioredis.Redis, key: str, group: str, entry_id: str, s
         s.deliveries = int(rows[0]["times_delivered"])
 
 
-async def _find(redis: aioredis.Redis, key: str, group_id: str, field_name: bytes) -> list[str]:
-    ids = await redis.register_script(_FIND)(keys=[key], args=[group_id, field_name])
-    return [_s(i) for i in ids]
-
-
-async def _in_batches(redis: aioredis.Redis, key: str, group_id: str) -> list[tuple[str, str]]:
-    """(entry id, batch id) of each batch whose manifest lists ``group_id``."""
-    out: list[tuple[str, str]] = []
-    limits = StreamSettings().limits()
-    start = "-"
-    while True:
-        page = await redis.xrange(key, min=start, max="+", count=_PAGE)
-        for eid, fields in page:
-            try:
-                msg = decode(fields.get(F_DATA, b""), limits)
-            except DecodeError:
-                continue
-            ids = ([r.group_id for r in msg.refs] if isinstance(msg, BatchManifest)
-                   else [g.group_id for g in msg.groups] if isinstance(msg, TrainBatch) else [])
-            if group_id in ids:
-                out.append((_s(eid), msg.batch_id))  # type: ignore[union-attr]
-        if len(page) < _PAGE:
-            return out
-        start = f"({_s(page[-1][0])}"
-
-
 async def locate(redis: aioredis.Redis, keys: Keys, group_id: str) -> Whereabouts:
     w = Whereabouts(group_id, keys.namespace)
     shards = await get_shards(redis, keys)
     for stream in ("rollouts", "scored"):
         key = keys.stream_for(stream, group_id, shards)
-        for eid in await _find(redis, key, group_id, F_ID):
+        for eid in await find_entries(redis, key, group_id, F_ID):
             s = Sighting(stream, eid)
             await _pending(redis, key, CONSUMER_GROUPS[stream], eid, s)
             w.entries.append(s)
-    for eid, batch_id in await _in_batches(redis, keys.stream("batches"), group_id):
+    for eid, batch_id in await batches_listing(redis, keys, group_id):
         s = Sighting("batches", eid, detail=f"batch {batch_id}")
         await _pending(redis, keys.stream("batches"), CONSUMER_GROUPS["batches"], eid, s)
         w.entries.append(s)
-    for eid in await _find(redis, keys.dlq, group_id, b"orig_" + F_ID):
-        fields = (await redis.xrange(keys.dlq, min=eid, max=eid))[0][1]
+    settings = StreamSettings()
+    for eid, fields in await dead_letters_of(redis, keys, group_id):
+        plan = await assess(redis, keys, eid, fields, settings=settings)
         w.entries.append(Sighting("dlq", eid, detail=f"stage {_s(fields.get(b'stage', b''))}: "
-                                                     f"{_s(fields.get(b'reason', b''))}"))
+                                                     f"{_s(fields.get(b'reason', b''))}", advice=advice(eid, plan)))
     for stream in ("rollouts", "scored", "batches"):
         mk = keys.seen(stream, group_id, shards)
         value, ttl = await redis.get(mk), await redis.pttl(mk)
@@ -146,23 +108,42 @@ def _hours(s: float | None) -> str:
     return "until deleted" if s is None else f"for {s / 3600:.1f} h more"
 
 
-def summarize(w: Whereabouts) -> str:
-    """One sentence: where the group is now, or what became of it."""
-    by = {s.stream for s in w.entries}
-    marked = {m.stream: m for m in w.markers}
-    if "dlq" in by:
-        return "dead-lettered: distillq dlq show ENTRY_ID says why; distillq dlq replay ENTRY_ID sends it back"
+def advice(entry_id: str, plan: Replay | Refusal) -> str:
+    """What to do with one dead letter, as ``where`` and ``dlq show`` print it."""
+    if isinstance(plan, Replay):
+        return f"distillq dlq replay {entry_id} {plan.describe()}"
+    return f"not replayable: {plan.line()}"
+
+
+def _flowing(by: set[str]) -> str | None:
     if "batches" in by:
         return "in a batch the learner has not acknowledged yet"
     if "scored" in by:
         return "scored, waiting for the feeder"
     if "rollouts" in by:
         return "waiting for a teacher worker"
+    return None
+
+
+def summarize(w: Whereabouts) -> str:
+    """One sentence: where the group is now, or what became of it, and what works to send it again."""
+    by = {s.stream for s in w.entries}
+    marked = {m.stream: m for m in w.markers}
+    flowing = _flowing(by)
+    dead = [s for s in w.entries if s.stream == "dlq"]
+    if dead and flowing is not None:
+        return f"{flowing}; {len(dead)} dead letter(s) of it from before (distillq dlq show ENTRY_ID)"
+    if dead:
+        best = next((s for s in reversed(dead) if s.advice.startswith("distillq dlq replay")), dead[-1])
+        return f"dead-lettered ({best.detail}): {best.advice}"
+    if flowing is not None:
+        return flowing
     if w.dropped is not None:
         first = marked.get("rollouts") or marked.get("scored")
-        return (f"dropped by the feeder ({w.dropped.get('reason')}); a push of the same group id is skipped as "
-                f"already present {_hours(first.expires_in_s if first else None)}: push it again with "
-                "distillq push --force (with --policy-version N for a stale one)")
+        reason = str(w.dropped.get("reason"))
+        todo = resample_hint(w.group_id) if reason == "stale" else "push it again with distillq push --force FILE"
+        return (f"dropped by the feeder ({reason}); a push of the same group id is skipped as already present "
+                f"{_hours(first.expires_in_s if first else None)}: {todo}")
     if "batches" in marked:
         return "batched and acknowledged by the learner: it reached training"
     if marked:

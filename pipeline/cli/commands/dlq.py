@@ -2,9 +2,12 @@
 
 Dead-letter fields (written by ``StreamConsumer.dead_letter``): stage, reason, source, source_id, source_shard,
 deliveries, consumer, at_ms, and ``orig_<field>`` for each field of the original entry (t, gid, d).
-Replay re-validates the original bytes, writes them to their source stream (or ``--to``) without the
-dedupe check (the group id's marker exists from the first write; backpressure still applies), and
-deletes the dead letter only once that write succeeded.
+Replay decides per entry by the family of its reason (``pipeline.cli.deadletters``): it re-validates the
+original bytes (or, when they are gone or invalid, another copy of the group the DLQ holds), writes them to
+their source stream (or ``--to``) without the dedupe check (backpressure still applies), clearing the
+markers that would stop the group on its way (``pipeline.cli.recovery``: a group is never trained twice),
+and deletes the dead letter only once that write succeeded. An entry it cannot replay stays, with one line
+saying why and what to do instead.
 """
 
 from __future__ import annotations
@@ -28,22 +31,19 @@ from pipeline.cli.commands.common import (
     run,
     with_redis,
 )
+from pipeline.cli.deadletters import ORIG, TARGETS, Refusal
 from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.cli.inspect import one_line, summarize_entry, summarize_message
+from pipeline.cli.locate import advice
 from pipeline.cli.namespaces import absent_note
+from pipeline.cli.recovery import assess, send_again
 from pipeline.cli.streamstats import server_time
 from pipeline.config import StreamSettings
-from pipeline.transport.claimcheck import encode_header
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import F_DATA, BackpressureTimeout, StreamProducer, message_id, message_type
+from pipeline.transport.producer import F_DATA, BackpressureTimeout
 from pipeline.transport.sharding import get_shards
-from schemas import BatchManifest, DecodeError, Limits, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
+from schemas import DecodeError, decode
 
-ORIG: Final = b"orig_"
-#: What each replay target accepts.
-TARGETS: Final[dict[str, tuple[type[Message], ...]]] = {
-    "rollouts": (RolloutGroup,), "scored": (ScoredGroup,), "batches": (BatchManifest, TrainBatch),
-}
 _PAGE: Final = 100
 #: A stream entry id: milliseconds, optionally ``-sequence`` (each part fits 64 bits).
 ENTRY_ID: Final = re.compile(r"[0-9]{1,19}(-[0-9]{1,19})?")
@@ -75,22 +75,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ls.set_defaults(func=main_list)
 
     show = add_command(dsub, "show", "every field of one dead letter and its decoded payload",
-                       "Show every field of one dead letter, and its payload decoded and summarised (or why it "
-                       "does not decode). Exit status 1 if there is no such entry.")
+                       "Show every field of one dead letter, its payload decoded and summarised (or why it "
+                       "does not decode), and what dlq replay would do with it (or why it cannot, and what to do "
+                       "instead). Exit status 1 if there is no such entry.")
     show.add_argument("entry_id", metavar="ENTRY_ID", help="the dead letter's entry id, as dlq list shows it "
                       "(e.g. 1732451234567-0)")
     show.add_argument("--json", action="store_true", help="one JSON object")
     show.set_defaults(func=main_show)
 
     rp = add_command(dsub, "replay", "re-validate dead letters and write them back to their stream",
-                     "Re-validate each dead letter's original payload against its target stream, write it there "
-                     "(without the dedupe check; backpressure still applies) and delete the dead letter only after "
-                     "that write. Entries still invalid stay, with the reason printed.")
+                     "Re-validate each dead letter's original payload (or another copy of its group the DLQ holds) "
+                     "against its target stream, write it there (without the dedupe check; backpressure still "
+                     "applies; a group never trained is batched again, one trained never is) and delete the dead "
+                     "letter only after that write. An entry that cannot be replayed stays, with one line saying "
+                     "why and what to do instead.")
     rp.add_argument("entry_ids", nargs="*", metavar="ENTRY_ID",
                     help="dead letters to replay (default: none; give ids or --all)")
     rp.add_argument("--all", action="store_true", help="every dead letter")
     rp.add_argument("--to", choices=sorted(TARGETS), default=None,
-                    help="target stream (default: each entry's source)")
+                    help="target stream (default: each entry's source; rollouts for a scored group: its rollout is "
+                         "scored again)")
+    rp.add_argument("--force", action="store_true",
+                    help="also replay entries whose reason repeats until a setting changes (output_too_large, "
+                         "batch_too_large, oversize_group): change the setting first")
     rp.set_defaults(func=main_replay)
 
     pg = add_command(dsub, "purge", "delete dead letters",
@@ -162,6 +169,7 @@ async def dlq_show(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) 
     if fields is None:
         raise CliError(f"no dead letter {args.entry_id} in {keys.dlq}", EXIT_FAILED)
     info = describe(args.entry_id, fields)
+    info["replay"] = advice(args.entry_id, await assess(redis, keys, args.entry_id, fields))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -177,6 +185,7 @@ async def dlq_show(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) 
                 print(f"  {k:<16} {json.dumps(v)}")
     else:
         print(f"payload: INVALID at {payload['field']}: {payload['reason']}")
+    print(f"replay: {info['replay']}")
     return 0
 
 
@@ -184,43 +193,23 @@ async def dlq_show(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) 
 class ReplayResult:
     entry_id: str
     ok: bool
-    detail: str  # the new entry id, or why it stayed
-
-
-def check_replay(fields: dict[bytes, bytes], to: str | None, limits: Limits) -> tuple[str, Message] | str:
-    """(target stream, decoded message), or the reason the entry cannot be replayed."""
-    target = to or _s(fields.get(b"source"))
-    expect = TARGETS.get(target)
-    if expect is None:
-        return f"unknown source stream {target!r}; pass --to"
-    payload = fields.get(ORIG + F_DATA)
-    if payload is None:
-        return "no original payload (orig_d) in the dead letter"
-    try:
-        msg = decode(payload, limits)
-    except DecodeError as e:
-        return f"still invalid: {e}"
-    if not isinstance(msg, expect):
-        want = " or ".join(t.__name__ for t in expect)
-        return f"still invalid: t: expected a {want}, got a {type(msg).__name__}"
-    return target, msg
+    detail: str  # the new entry id, or why it stayed and what to do
 
 
 async def replay_one(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[bytes, bytes] | None,
-                     to: str | None, settings: StreamSettings) -> ReplayResult:
+                     to: str | None, settings: StreamSettings, *, force: bool = False) -> ReplayResult:
     if fields is None:
         return ReplayResult(entry_id, False, "not in the DLQ")
-    checked = check_replay(fields, to, settings.limits())
-    if isinstance(checked, str):
-        return ReplayResult(entry_id, False, checked)
-    target, msg = checked
-    gid = message_id(msg)
-    producer = StreamProducer(redis, keys, target, settings, dedupe=False, shards=await get_shards(redis, keys))
-    payload = fields[ORIG + F_DATA]
-    header = encode_header(msg, len(payload)) if producer.claim_check else None
-    added = await producer.send_raw(payload, message_type(msg), gid, header=header)
+    plan = await assess(redis, keys, entry_id, fields, to=to, force=force, settings=settings)
+    if isinstance(plan, Refusal):
+        return ReplayResult(entry_id, False, plan.line())
+    added = await send_again(redis, keys, plan, settings, await get_shards(redis, keys),
+                             stage=fields.get(b"stage", b"").decode("utf-8", "replace"))
     await redis.xdel(keys.dlq, entry_id)  # only after the write succeeded
-    return ReplayResult(entry_id, True, f"-> {target} {added.entry_id} (group {gid})")
+    gid = fields.get(ORIG + b"gid", b"").decode("utf-8", "replace")
+    how = ", to be scored again" if plan.target == "rollouts" else ""
+    src = f", from {plan.origin}" if plan.origin != "its dead letter" else ""
+    return ReplayResult(entry_id, True, f"-> {plan.target} {added.entry_id} (group {gid}{how}{src})")
 
 
 async def _entries(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace
@@ -248,7 +237,7 @@ async def dlq_replay(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace
     async for eid, fields in _entries(redis, keys, args):
         total += 1
         try:
-            res = await replay_one(redis, keys, eid, fields, args.to, settings)
+            res = await replay_one(redis, keys, eid, fields, args.to, settings, force=args.force)
         except BackpressureTimeout as e:
             res = ReplayResult(eid, False, f"backpressure: {e}")
         done += res.ok

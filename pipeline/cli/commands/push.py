@@ -28,6 +28,7 @@ from pipeline.cli.commands.common import (
 )
 from pipeline.cli.errors import EXIT_FAILED, CliError
 from pipeline.cli.namespaces import absent_note
+from pipeline.cli.recovery import admit_push
 from pipeline.config import StreamSettings
 from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer, message_id
@@ -37,7 +38,8 @@ from schemas.atropos import rollout_from_atropos
 
 #: The streams groups can be pushed onto, and who writes the others.
 PUSHABLE: Final = ("rollouts", "scored")
-_WRITTEN_BY: Final = {"batches": "the feeder (batches of scored groups)", "dlq": "the workers (dead letters)"}
+_WRITTEN_BY: Final = {"prompts": "distillq enqueue (prompts for the rollout workers)",
+                       "batches": "the feeder (batches of scored groups)", "dlq": "the workers (dead letters)"}
 
 
 def push_stream(value: str) -> str:
@@ -62,9 +64,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--policy-version", type=int, default=0, metavar="N",
                    help="policy version for lines without policy_version")
     p.add_argument("--force", action="store_true",
-                   help="push groups whose id was pushed before (within DISTILLQ_DEDUPE_TTL_S): their dedupe markers "
-                        "on rollouts and scored are cleared first; one already batched is still never batched "
-                        "twice (default: skip them)")
+                   help="push groups whose id was pushed before (within DISTILLQ_DEDUPE_TTL_S): the markers that "
+                        "would stop them are cleared first, the batches marker too for a group the learner "
+                        "dead-lettered out of its batch (never trained); a group trained, or in a batch the learner "
+                        "has not acknowledged, is refused with the reason (default: skip them)")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -105,6 +108,7 @@ def parse_file(lines: list[str], stream: str, policy_version: int) -> tuple[list
 class PushResult:
     added: int = 0
     duplicates: list[str] = field(default_factory=list)  # group ids skipped as already present
+    refused: list[tuple[str, str]] = field(default_factory=list)  # --force: (group id, why not and what to do)
 
 
 async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Message], *,
@@ -120,8 +124,9 @@ async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Me
     out = PushResult()
     for n, m in enumerate(msgs):
         gid = message_id(m)
-        if force:
-            await clear_markers(redis, keys, gid, shards)
+        if force and (refusal := await admit_push(redis, keys, gid, shards, settings)) is not None:
+            out.refused.append((gid, refusal.line()))
+            continue
         try:
             res = await producer.send(m)
         except BackpressureTimeout as e:
@@ -136,14 +141,6 @@ async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Me
     return out
 
 
-async def clear_markers(redis: aioredis.Redis, keys: Keys, group_id: str, shards: int) -> None:
-    """Forget that ``group_id`` was written to rollouts and scored (and why the feeder dropped it), so that it
-    flows through the teacher again; its ``batches`` marker stays: a group is never batched twice."""
-    for key in (keys.seen("rollouts", group_id, shards), keys.seen("scored", group_id, shards),
-                keys.dropped(group_id)):
-        await redis.delete(key)  # one key per call: they live in different slots on a cluster
-
-
 def main(args: argparse.Namespace) -> int:
     msgs, errors = parse_file(read_input(args.file).splitlines(), args.stream, args.policy_version)
     if errors:
@@ -154,11 +151,15 @@ def main(args: argparse.Namespace) -> int:
     ns = redis_settings_from_args(args).namespace
     dup = len(res.duplicates)
     print(f"pushed {res.added} group(s) onto {args.stream} in namespace {ns!r}"
-          + (f" ({dup} already present, skipped)" if dup else ""), file=sys.stdout, flush=True)
+          + (f" ({dup} already present, skipped)" if dup else "")
+          + (f" ({len(res.refused)} refused by --force, see stderr)" if res.refused else ""),
+          file=sys.stdout, flush=True)
+    for gid, why in res.refused:
+        print(f"not pushed again: {gid}: {why}", file=sys.stderr, flush=True)
     if dup:
         ttl_h = StreamSettings().dedupe_ttl_s / 3600
         print(f"{dup} group id(s) were pushed onto {args.stream} before, within the last {ttl_h:g} h "
               f"(DISTILLQ_DEDUPE_TTL_S), e.g. {res.duplicates[0]}: a group id goes onto a stream once. "
               f"distillq where {res.duplicates[0]} shows what became of it; distillq push --force pushes them again",
               file=sys.stderr, flush=True)
-    return 0
+    return EXIT_FAILED if res.refused else 0

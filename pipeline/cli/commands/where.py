@@ -35,6 +35,8 @@ async def where(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> 
         held = (f"  held by {s.consumer} ({s.deliveries} deliveries, idle {s.idle_s:.1f} s)"
                 if s.consumer is not None else "")
         print(f"  {s.stream:<9} entry {s.entry_id}{'  ' + s.detail if s.detail else ''}{held}")
+        if s.advice:
+            print(f"            {s.advice}")
     for m in w.markers:
         ttl = "no expiry" if m.expires_in_s is None else f"expires in {m.expires_in_s / 3600:.1f} h"
         print(f"  {m.stream:<9} dedupe marker ({m.value}), {ttl}")
