@@ -23,10 +23,14 @@ from typing import IO
 
 import structlog
 
+from pipeline.backoff import BackoffPolicy
+
 log = structlog.get_logger("distillq.supervisor")
 
 #: A worker's exit status for a configuration it refuses (``distillq worker``): never restarted.
 EXIT_CONFIG = 2
+#: The wait before restarting a crashed process (``pipeline.backoff``): up to 1 s, 2 s, 4 s, ... 30 s.
+RESTART_BACKOFF = BackoffPolicy(base=1.0, cap=30.0)
 
 
 @dataclass
@@ -89,7 +93,7 @@ class Supervisor:
                 p.exit_code = code
             elif code != 0 and p.spec.restart and p.restarts < self.max_restarts:
                 p.restarts += 1
-                p.next_start = now + min(30.0, 0.5 * 2**p.restarts)
+                p.next_start = now + RESTART_BACKOFF.delay(p.restarts)
                 log.warning("process_died", name=p.spec.name, code=code, restart_in=round(p.next_start - now, 1),
                             last_line=self.last_line(p))
                 p.popen = None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
@@ -44,6 +45,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from pipeline import metrics
+from pipeline.backoff import Backoff
 from pipeline.config import StreamSettings, redis_settings
 from pipeline.learner.batch import LearnerBatch, _Raw
 from pipeline.learner.checks import check_reachable, namespace_hint
@@ -60,7 +62,7 @@ from pipeline.learner.parts import (
 from pipeline.learner.ranks import RankGroup
 from pipeline.stages.batching import materialize
 from pipeline.stages.lifecycle import renew_leases
-from pipeline.transport.connection import connect, is_cluster_client, retry_transient
+from pipeline.transport.connection import TRANSIENT, connect, is_cluster_client, retry_transient
 from pipeline.transport.consumer import Delivery, StreamConsumer, dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_ID, F_TYPE
@@ -126,7 +128,7 @@ class AsyncLearner:
         if self._ready:
             return
         await self.check()
-        await self.consumer.ensure_group()
+        await retry_transient(self.consumer.ensure_group, redis=self.redis)
         # Renew the leases of batches handed out and not acked: a step longer than the reclaim idle time
         # keeps its batch (as the workers do with their in-flight entries).
         self._lease = asyncio.ensure_future(renew_leases(self.consumer, self.settings.claim_idle_ms, "learner"))
@@ -220,20 +222,34 @@ class AsyncLearner:
         await self._ensure_ready()
         loop = asyncio.get_running_loop()
         end = None if timeout_s is None else loop.time() + timeout_s
+        backoff = Backoff()
         while True:
             block = self.settings.block_ms if end is None else max(1, int(1000 * min(1.0, end - loop.time())))
-            for d in await self.consumer.read(1, block_ms=block):
+            try:
+                got = await self.consumer.read(1, block_ms=block)
+                backoff.reset()
+            except TRANSIENT as e:  # Redis away (restarting, failing over): wait for it, never fail the caller
+                delay = backoff.next_delay()
+                metrics.REDIS_ERRORS.labels("learner").inc()
+                log.warning("redis_unavailable", stage="learner", error=str(e), retry_in=round(delay, 2))
+                await asyncio.sleep(delay if end is None else max(0.0, min(delay, end - loop.time())))
+                if end is not None and loop.time() >= end:
+                    return None
+                continue
+            for d in got:
                 try:
                     msg = decode(d.payload, self.limits)
                     if not isinstance(msg, BatchManifest | TrainBatch):
                         raise DecodeError("t", f"expected a BatchManifest or TrainBatch, got a {type(msg).__name__}")
                 except DecodeError as e:
-                    await self.consumer.dead_letter(d, f"decode_error: {e}")
+                    await retry_transient(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"),
+                                          redis=self.redis)
                     continue
                 if isinstance(msg, TrainBatch) or not fetch:
                     return _Raw(d, msg, [])
+                keys = [r.key for r in msg.refs]
                 try:
-                    payloads = await self._mget([r.key for r in msg.refs])
+                    payloads = await retry_transient(functools.partial(self._mget, keys), redis=self.redis)
                 except BaseException:
                     self.consumer.release([d])  # not handed out: pending, so a later read reclaims it
                     raise
@@ -329,8 +345,9 @@ class AsyncLearner:
         Learner ranks: counts this rank's ack; the batch is settled when every rank of one generation has
         acked it. ``False`` when the ack is refused because a rank restarted meanwhile: every rank then gets
         the whole batch again from ``next_batch``."""
-        if self._ranks is None:
-            await self.consumer.ack([batch.delivery], then_delete=batch.payload_keys)
+        if self._ranks is None:  # safe to repeat: XACK and XDEL by entry id, DEL of its payloads
+            await retry_transient(lambda: self.consumer.ack([batch.delivery], then_delete=batch.payload_keys),
+                                  redis=self.redis)
             return True
         res = await self._ranks.ack(batch.entry_id, batch.generation)
         self.consumer.owned.discard(batch.entry_id)
@@ -341,10 +358,11 @@ class AsyncLearner:
         return res > 0
 
     async def publish_policy_version(self, version: int) -> None:
-        await self.redis.set(self.keys.policy_version, int(version))
+        """Set the policy version (retried while Redis is away or full: a SET is safe to repeat)."""
+        await retry_transient(lambda: self.redis.set(self.keys.policy_version, int(version)), redis=self.redis)
 
     async def policy_version(self) -> int:
-        raw = await self.redis.get(self.keys.policy_version)
+        raw = await retry_transient(lambda: self.redis.get(self.keys.policy_version), redis=self.redis)
         return int(raw) if raw is not None else 0
 
     async def aclose(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from pipeline.backoff import Backoff
 from pipeline.errors import LearnerError
 from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import Keys
@@ -161,7 +162,7 @@ class RankGroup:
         ``read(block_s)`` reads the next usable entry of the stream (with the policy version to check it
         against) or returns ``None``; it is called on one rank at a time, while no batch is current."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
-        delay, waited_log = self.poll_s, time.monotonic()
+        backoff, waited_log = Backoff(base=self.poll_s, cap=max(self.poll_s, 0.05)), time.monotonic()
         while True:
             gen_raw, mine, joined, world, entry, entry_gen, version, reclaimed, acked = [
                 _s(x) for x in await self._script(_POLL, self._state, [self.rank])]
@@ -181,7 +182,7 @@ class RankGroup:
                     self._seen.add(entry)
                     return Current(entry, gen, int(version), again)
                 if not entry and await self._read_as_leader(read, end):
-                    delay = self.poll_s
+                    backoff.reset()
                     continue
             elif time.monotonic() - waited_log >= WAIT_LOG_S:
                 waited_log = time.monotonic()
@@ -190,8 +191,8 @@ class RankGroup:
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
                 return None
+            delay = backoff.next_delay()
             await asyncio.sleep(delay if left is None else min(delay, left))
-            delay = min(delay * 1.5, 0.05)
 
     async def _read_as_leader(
         self, read: Callable[[float], Awaitable[tuple[Delivery, int] | None]], end: float | None

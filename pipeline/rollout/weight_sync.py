@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from pipeline.backoff import BackoffPolicy
+
 #: The label a server gets when a reload failed midway: its weights are not any published version.
 UNSYNCED = "unsynced"
 #: What vLLM and SGLang report before any update.
@@ -46,8 +48,14 @@ def needs_sync(server_version: int | None, newest: int | None) -> bool:
     return server_version is None or server_version < newest
 
 
-def retry_delay_s(failures: int, *, base_s: float = 0.5, cap_s: float = 30.0) -> float:
-    return float(min(cap_s, base_s * 2 ** max(0, failures - 1)))
+#: When a server that failed a sync is tried again (``pipeline.backoff``: full jitter, so the rollout workers
+#: of one server do not all come back to it at once).
+SYNC_RETRY = BackoffPolicy(base=0.5, cap=30.0)
+
+
+def retry_delay_s(failures: int) -> float:
+    """The wait before trying a server again after its ``failures``-th failure in a row."""
+    return SYNC_RETRY.delay(failures)
 
 
 @dataclass

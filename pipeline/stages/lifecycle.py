@@ -37,8 +37,10 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from redis.exceptions import ResponseError
 from pipeline import metrics
-from pipeline.transport.connection import TRANSIENT, Backoff
+from pipeline.backoff import Backoff
+from pipeline.transport.connection import TRANSIENT, is_redis_full
 from pipeline.transport.sharding import Consumer
 
 log = structlog.get_logger("distillq.lifecycle")
@@ -77,6 +79,10 @@ class Heartbeat:
                 metrics.REDIS_ERRORS.labels("heartbeat").inc()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
+            except ResponseError as e:  # Redis at maxmemory refuses the SET: the next beat tries again
+                if not is_redis_full(e):
+                    raise
+                metrics.REDIS_ERRORS.labels("heartbeat").inc()
 
     async def clear(self) -> None:
         with contextlib.suppress(*TRANSIENT):
@@ -90,7 +96,7 @@ async def renew_leases(consumer: Consumer, claim_idle_ms: int, stage: str) -> No
         await asyncio.sleep(claim_idle_ms / 3000)
         try:
             await consumer.touch()
-        except TRANSIENT:
+        except (*TRANSIENT, ResponseError):  # a lease renewal never ends: the next one tries again
             metrics.REDIS_ERRORS.labels(stage).inc()
 
 
@@ -158,7 +164,8 @@ class WorkerLifecycle:
         stop). Returns the delay."""
         metrics.REDIS_ERRORS.labels(self.stage).inc()
         delay = self.backoff.next_delay()
-        log.warning("redis_unavailable", stage=self.stage, error=str(error), retry_in=round(delay, 2))
+        event = "redis_full" if is_redis_full(error) else "redis_unavailable"
+        log.warning(event, stage=self.stage, error=str(error), retry_in=round(delay, 2))
         await self.sleep(delay)
         return delay
 

@@ -272,8 +272,10 @@ class StageRunner(Generic[M]):
         return True
 
     async def _bookkeep(self, op: Callable[[], Awaitable[object]]) -> None:
-        """Acks and dead letters: shielded from cancellation and retried over Redis outages."""
-        await asyncio.shield(retry_transient(op, deadline_s=max(30.0, self.settings.shutdown_grace_s)))
+        """Acks and dead letters: shielded from cancellation and retried over Redis outages; Redis at
+        maxmemory is waited out (``redis_full``), the entry kept, never counted as a failed delivery."""
+        deadline = max(30.0, self.settings.shutdown_grace_s)
+        await asyncio.shield(retry_transient(op, deadline_s=deadline, redis=self.redis))
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.stats.handled += n

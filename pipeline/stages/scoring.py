@@ -42,6 +42,7 @@ import structlog
 from pipeline.teacher.base import (
     K_OVER_CAP,
     MISALIGNED,
+from pipeline.backoff import BackoffPolicy
     ScoreFailure,
     ScoreOutcome,
     ScoreRequest,
@@ -86,8 +87,10 @@ class ScoringConfig:
             raise ValueError(f"rows must be 'trained' or 'all', got {self.rows!r}")
 
     def backoff(self, attempt: int) -> float:
-        """Delay before retry number ``attempt`` (1-based)."""
-        return float(min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (attempt - 1)))
+        """Delay before retry number ``attempt`` (1-based): ``pipeline.backoff``'s policy, so teacher workers
+        that failed together do not retry together (full jitter under ``backoff_base_s * 2**(attempt-1)``,
+        at most ``backoff_max_s``)."""
+        return BackoffPolicy(self.backoff_base_s, self.backoff_max_s).delay(attempt)
 
 
 @dataclass

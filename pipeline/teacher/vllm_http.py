@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 import structlog
 
+from pipeline.backoff import Backoff
 from pipeline.teacher.base import (
     K_OVER_CAP,
     MISALIGNED,
@@ -187,7 +188,7 @@ class HTTPTeacher:
         deadline = loop.time() + self.config.startup_timeout_s
         caps = []
         for server in self.pool.servers:
-            tries, next_log = 0, 0.0
+            tries, next_log, backoff = 0, 0.0, Backoff(base=0.25, cap=2.0)
             while True:
                 try:
                     await self._check_model(server.url)
@@ -203,9 +204,10 @@ class HTTPTeacher:
                                                  f"{self.config.startup_timeout_s:g} s): {e!r}") from e
                     if loop.time() >= next_log:  # at once, then every STARTUP_LOG_EVERY_S
                         log.warning("teacher_unreachable", url=server.url, error=repr(e), tries=tries,
-                                    retrying_every_s=1.0, gives_up_in_s=round(left, 1))
+                                    retry_in=round(delay, 2), gives_up_in_s=round(left, 1))
                         next_log = loop.time() + STARTUP_LOG_EVERY_S
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(delay)
+                    delay = min(backoff.next_delay(), left)
         self._max_k = min(caps)
         if self.config.k > self._max_k:
             raise TeacherConfigError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import re
 import socket
 import ssl
@@ -12,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
+import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
@@ -26,13 +26,18 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline.backoff import Backoff
 from pipeline.config import RedisSettings
 from pipeline.transport import bigio
+
+__all__ = ["TRANSIENT", "Backoff", "connect", "is_nogroup", "is_redis_full", "mask_url", "memory_use",
+           "redis_error_line", "retry_transient"]
 
 T = TypeVar("T")
 #: Errors that mean "Redis is away" (or a cluster master is failing over); callers back off and retry.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, TryAgainError,
              MasterDownError, ConnectionError, OSError)
+log = structlog.get_logger("distillq.connection")
 _QUERY_SECRET = re.compile(r"(?P<key>(?:password|passwd|pass|pwd))=[^&]*", re.IGNORECASE)
 
 
@@ -112,12 +117,17 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
     Responses stay bytes (payloads are binary). No ``socket_timeout``: with one, redis-py 5.3 on Python
     3.11 reads under ``asyncio.timeout``, and a task cancelled while its reply arrives can swallow the
     cancellation and go on (203 of 2,000 cancelled blocking reads, measured); every stop path cancels
-    reads. A Redis host that vanishes is noticed by the keepalive probes (``keepalive_options``) instead."""
+    reads. A Redis host that vanishes is noticed by the keepalive probes (``keepalive_options``) instead.
+
+    Which layer retries: redis-py retries *establishing* a connection (``retry``: 3 tries, a fresh
+    connection is harmless to repeat) and never re-sends a command (no ``retry_on_error``): after a
+    connection error the command's effect is unknown, and a blind re-send of XADD, INCR or a script would
+    apply it twice. Commands are retried by distillq (``retry_transient``, the run loops' back-off), around
+    operations written to be safe to repeat (dedupe markers, acks by entry id)."""
     kwargs: dict[str, object] = {
         "decode_responses": False,
         "socket_connect_timeout": settings.socket_connect_timeout,
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
-        "retry_on_error": [RedisConnectionError, RedisTimeoutError, BusyLoadingError],
     }
     if max_connections is not None:
         kwargs["max_connections"] = max_connections
@@ -136,18 +146,28 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
     return client
 
 
-class Backoff:
-    """Exponential backoff with full jitter, reset after a success."""
+def is_redis_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a write at ``maxmemory`` under ``noeviction`` (``OOM command not
+    allowed when used memory > 'maxmemory'``, also inside a script or a transaction)."""
+    return isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc)
 
-    def __init__(self, base: float = 0.1, cap: float = 5.0) -> None:
-        self.base, self.cap, self.attempt = base, cap, 0
 
-    def next_delay(self) -> float:
-        self.attempt += 1
-        return random.uniform(0, min(self.cap, self.base * 2**self.attempt))
+def is_nogroup(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis saying a stream's consumer group (or the stream) does not exist."""
+    return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
 
-    def reset(self) -> None:
-        self.attempt = 0
+
+async def memory_use(redis: aioredis.Redis) -> dict[str, int]:
+    """``used_memory`` and ``maxmemory`` in bytes (``INFO memory``); empty if Redis cannot say."""
+    try:
+        info: dict[str, Any] = await redis.info("memory")
+    except (*TRANSIENT, ResponseError):
+        return {}
+    return {k: int(info[k]) for k in ("used_memory", "maxmemory") if k in info}
+
+
+#: While Redis stays full, ``redis_full`` is logged again every this many seconds.
+FULL_LOG_EVERY_S = 30.0
 
 
 async def retry_transient(
@@ -156,14 +176,23 @@ async def retry_transient(
     stop: asyncio.Event | None = None,
     deadline_s: float | None = None,
     on_error: Callable[[BaseException, float], None] | None = None,
+    redis: aioredis.Redis | None = None,
+    wait_when_full: bool = True,
 ) -> T:
-    """Run ``op`` until it succeeds, backing off on transient Redis errors.
+    """Run ``op`` until it succeeds, backing off (``pipeline.backoff``) on transient Redis errors.
 
-    Gives up (re-raising the last error) when ``stop`` is set or ``deadline_s`` has passed.
+    This is the one layer that retries Redis commands (redis-py only retries establishing a connection,
+    see ``connect``): ``op`` must be safe to run again after an error whose effect is unknown.
+
+    Gives up (re-raising the last error) when ``stop`` is set or ``deadline_s`` has passed. Redis at
+    ``maxmemory`` (``is_redis_full``) is backpressure, not a failure: with ``wait_when_full`` it is waited
+    out past any deadline (until ``stop``), logged as ``redis_full`` with ``used_memory``/``maxmemory``
+    (read through ``redis``, when given); otherwise it is raised at once.
     """
     loop = asyncio.get_running_loop()
     end = None if deadline_s is None else loop.time() + deadline_s
     backoff = Backoff()
+    logged_full = float("-inf")
     while True:
         try:
             return await op()
@@ -173,6 +202,15 @@ async def retry_transient(
                 raise
             if on_error is not None:
                 on_error(e, delay)
+            await asyncio.sleep(delay)
+        except ResponseError as e:
+            if not (wait_when_full and is_redis_full(e)) or (stop is not None and stop.is_set()):
+                raise
+            delay = backoff.next_delay()
+            if loop.time() - logged_full >= FULL_LOG_EVERY_S:
+                logged_full = loop.time()
+                mem = await memory_use(redis) if redis is not None else {}
+                log.warning("redis_full", error=str(e).split(".")[0], retry_in=round(delay, 2), **mem)
             await asyncio.sleep(delay)
 
 

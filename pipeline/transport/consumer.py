@@ -13,6 +13,12 @@
   entry. A consumer built with ``resolve_payloads=False`` (the feeder) reads headers only and passes the
   payloads on (``ack(..., keep_payloads=True)``). An entry whose payload key is gone is dead-lettered
   (``payload_missing``), never handed out.
+* A consumer group that is gone (Redis restarted without its data, a failover to an empty replica, an
+  ``XGROUP DESTROY`` by hand: NOGROUP) is created again (MKSTREAM, reading from the start) by the next
+  ``read``, which returns nothing that time; what happened is logged (``consumer_group_recreated``) and
+  recorded as an incident (``pipeline.transport.incidents``): ``redis_data_lost`` once per loss of the
+  namespace's data (``pipeline.transport.resets``), ``stream_reset`` by a consumer whose in-flight entries
+  went with it, ``group_destroyed`` when the stream was still there.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from redis.exceptions import ResponseError
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
-from pipeline.transport.connection import is_cluster_client
+from pipeline.transport import incidents
+from pipeline.transport.connection import is_cluster_client, is_nogroup, retry_transient
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
+from pipeline.transport.resets import DataState, Sentinel
 
 log = structlog.get_logger("distillq.consumer")
 
@@ -144,14 +152,51 @@ class StreamConsumer:
         self._last_claim = float("-inf")
         self.owned: set[str] = set()  # entries handed out by this consumer and not yet settled
         self._own_cursor: str | None = "0"  # paging through our own pending entries; None when done
+        self.sentinel = Sentinel(redis, keys)
 
-    async def ensure_group(self) -> None:
-        """Create the stream and its consumer group if missing (reading from the start)."""
+    async def ensure_group(self) -> bool:
+        """Create the stream and its consumer group if missing (reading from the start); True if this call
+        created the group. The first call also remembers the namespace's sentinel (``transport.resets``)."""
+        if not self.sentinel.token:
+            await self.sentinel.check()
         try:
             await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+            return False
+        return True
+
+    async def recover_group(self, error: BaseException) -> None:
+        """The group is gone (``error``: NOGROUP): create it again and say what happened (see the module)."""
+        held = len(self.owned)
+        self.owned.clear()  # gone with the group: their acks find nothing, leases renew nothing
+        self._own_cursor, self._last_claim = "0", float("-inf")
+        stream_there = bool(await self.redis.exists(self.key))
+        data = await self.sentinel.check()
+        created = await retry_transient(self.ensure_group, redis=self.redis)
+        log.warning("consumer_group_recreated", stream=self.stream, key=self.key, group=self.group,
+                    consumer=self.name, error=str(error), stream_existed=stream_there, data=data.value,
+                    in_flight_lost=held, created_here=created)
+        metrics.REDIS_ERRORS.labels(self.stage).inc()
+        ns = self.keys.namespace
+        if data is DataState.LOST_HERE:
+            await incidents.record(
+                self.redis, self.keys, "redis_data_lost",
+                f"Redis lost the data of namespace {ns} (restarted without persistence, flushed, or failed over "
+                "to an empty replica): its streams, consumer groups and dedupe markers are gone",
+                writer=self.name)
+        if held and (data is not DataState.SAME or not stream_there):
+            await incidents.record(
+                self.redis, self.keys, "stream_reset",
+                f"stream {self.key} was reset: {held} entries pending before are gone", writer=self.name,
+                stream=self.stream, key=self.key, entries=held)
+        elif created and data is DataState.SAME and stream_there:
+            await incidents.record(
+                self.redis, self.keys, "group_destroyed",
+                f"consumer group {self.group} of stream {self.key} was gone (destroyed by hand?): created again, "
+                "its unacknowledged entries are read again from the start", writer=self.name,
+                stream=self.stream, key=self.key, group=self.group)
 
     async def read(self, count: int, block_ms: int | None = None, *, block: bool = True) -> list[Delivery]:
         """Up to ``count`` deliveries: reclaimed ones first, then new ones (blocking if none and ``block``).
@@ -164,6 +209,12 @@ class StreamConsumer:
         out: list[Delivery] = []
         try:
             return await self._read(count, block_ms, block, out)
+        except ResponseError as e:
+            self.release(out)
+            if not is_nogroup(e):
+                raise
+            await self.recover_group(e)
+            return []
         except BaseException:
             self.release(out)  # still pending in Redis: reclaimed once idle
             raise
@@ -267,7 +318,11 @@ class StreamConsumer:
     async def touch(self) -> None:
         """Reset the idle time of our in-flight entries (a lease renewal) so nobody reclaims them."""
         if self.owned:
-            await self.redis.xclaim(self.key, self.group, self.name, 0, list[Any](self.owned), justid=True)
+            try:
+                await self.redis.xclaim(self.key, self.group, self.name, 0, list[Any](self.owned), justid=True)
+            except ResponseError as e:
+                if not is_nogroup(e):  # the group is gone: the next read creates it again
+                    raise
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Stop owning entries we will not ack (they stay pending and become reclaimable)."""
@@ -314,7 +369,13 @@ class StreamConsumer:
         ids = [d.entry_id for d in deliveries]
         if not ids:
             return []
-        got = await self.redis.xclaim(self.key, self.group, self.name, 0, list[Any](ids), justid=True)
+        try:
+            got = await self.redis.xclaim(self.key, self.group, self.name, 0, list[Any](ids), justid=True)
+        except ResponseError as e:
+            if not is_nogroup(e):
+                raise
+            await self.recover_group(e)  # the group went with Redis's data (or by hand): none is pending now
+            got = []
         alive = {x.decode() if isinstance(x, bytes) else str(x) for x in got}
         self.owned.difference_update(set(ids) - alive)
         return [d for d in deliveries if d.entry_id in alive]
@@ -327,13 +388,20 @@ class StreamConsumer:
                 d.fields[F_DATA] = blob
         fields = dead_letter_fields(self.stage, reason, self.stream, d.entry_id, self.name, d.fields,
                                     source_shard=d.shard, deliveries=d.deliveries)
-        await self.redis.xadd(self.keys.dlq, fields)  # type: ignore[arg-type]
+        # Redis at maxmemory refuses the XADD: wait for room (logged ``redis_full``), never count it a failure
+        await retry_transient(lambda: self.redis.xadd(self.keys.dlq, fields), deadline_s=0,  # type: ignore[arg-type]
+                              redis=self.redis)
         await self.ack([d])
         metrics.DEAD_LETTERED.labels(self.stage, dead_letter_category(reason)).inc()
         log.warning("dead_lettered", stream=self.stream, entry_id=d.entry_id, group_id=d.group_id, reason=reason)
 
     async def pending_count(self) -> int:
-        info: Any = await self.redis.xpending(self.key, self.group)
+        try:
+            info: Any = await self.redis.xpending(self.key, self.group)
+        except ResponseError as e:
+            if not is_nogroup(e):
+                raise
+            return 0  # no group, nothing pending; the next read creates it
         return int(info["pending"])
 
     async def backlog(self) -> int:

@@ -30,7 +30,10 @@ key                                                type          written by / me
 ``ns:incidents``                                   stream        any process: faults outside distillq it noticed
                                                                  (Redis reset, data lost), for ``stats``
                                                                  ``attention:`` (``transport.incidents``)
-``ns:arq:*``                                       (arq)         rollout job queue, owned by arq (transport.jobs)
+``ns:sentinel``                                    hash          first consumer of the namespace: a random token
+                                                                 that lives as long as the namespace's data; a
+                                                                 worker that finds it gone or changed names the
+                                                                 data loss (``transport.resets``)
 ``{ns:atropos}:trainer``                           hash          ``serve atropos``: the trainer's registration
                                                                  (batch size, ...), step, started
 ``{ns:atropos}:envs``                              hash          ``serve atropos``: env id -> env record (JSON)
@@ -228,6 +231,11 @@ class Keys:
         if part not in ATROPOS_PARTS:
             raise ValueError(f"unknown atropos key {part!r}; one of {sorted(ATROPOS_PARTS)}")
         return f"{{{self.namespace}:atropos}}:{part}"
+    @property
+    def sentinel(self) -> str:
+        """A token that lives as long as the namespace's data (``pipeline.transport.resets``)."""
+        return f"{self.namespace}:sentinel"
+
 
     def atropos_buffer(self, env_id: int) -> str:
         """Groups of env ``env_id`` waiting for others to fill its group size (``serve atropos``)."""

@@ -46,7 +46,7 @@ from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.errors import TransportError
 from pipeline.transport.claimcheck import CLAIM_CHECKED, encode_header
-from pipeline.transport.connection import Backoff, is_cluster_client, retry_transient
+from pipeline.transport.connection import Backoff, is_cluster_client, is_redis_full, memory_use, retry_transient
 from pipeline.transport.keys import Keys
 from schemas import BatchManifest, Message, RolloutGroup, ScoredGroup, TrainBatch, encode
 
@@ -121,6 +121,9 @@ if mode == 2 then redis.call('PERSIST', KEYS[3]) end
 for i = first, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[3]) end
 return {1, id, -1}
 """
+
+#: ``send_raw``'s code for a pass refused because Redis is at ``maxmemory`` (the scripts' codes are 0-4).
+_REDIS_FULL: Final = 5
 
 #: Messages up to this size are written by one script (``_ADD``), larger ones in two steps.
 SMALL_MESSAGE_BYTES: Final = 32 * 1024
@@ -258,9 +261,10 @@ class StreamProducer:
         deadline = loop.time() + s.backpressure_timeout_s
         backoff = Backoff(base=0.01, cap=0.5)
         waited_since: float | None = None
+        why = ""
         while True:
             op = self._attempt(fast, single, key, reservations, markers, token, fields, payload, blob, mid)
-            code, value, index = await retry_transient(op, stop=stop, deadline_s=max(1.0, deadline - loop.time()))
+            code, value, index = await self._pass(op, stop, max(1.0, deadline - loop.time()))
             written = single or fast
             fast = False  # after a refusal, wait with the small script only, then write in two steps
             if code == 1:
@@ -275,16 +279,53 @@ class StreamProducer:
                 return Added(AddResult.DUPLICATE, value.decode(), int(index))
             if waited_since is None:
                 waited_since = time.monotonic()
-                why = "another writer holds the group" if code == 3 else f"stream at its cap of {s.max_backlog}"
-                log.info("backpressure_wait", stream=self.stream, reason=why, group_id=mid)
+            why = await self._log_wait(code, why, mid)
             if stop is not None and stop.is_set():
                 raise ProducerStopped(f"stop requested while waiting for capacity on {self.stream!r}")
             if loop.time() >= deadline:
-                raise BackpressureTimeout(
-                    f"stream {self.stream!r} held >= {s.max_backlog} unconsumed entries for "
-                    f"{s.backpressure_timeout_s:.0f} s; is its consumer running?"
-                )
+                raise self._timed_out(code, why)
             await asyncio.sleep(min(backoff.next_delay() + 0.005, max(0.0, deadline - loop.time())))
+
+    async def _pass(self, op: Callable[[], Awaitable[Any]], stop: asyncio.Event | None,
+                    deadline_s: float) -> tuple[int, bytes, int]:
+        """One pass of ``send_raw``'s loop: the scripts' ``(code, value, index)``, transient errors retried;
+        Redis at ``maxmemory`` gives ``_REDIS_FULL`` (backpressure, with its cause named)."""
+        try:
+            code, value, index = await retry_transient(op, stop=stop, deadline_s=deadline_s, wait_when_full=False)
+        except ResponseError as e:
+            if not is_redis_full(e):
+                raise
+            return _REDIS_FULL, b"", -1
+        return int(code), value, int(index)
+
+    async def _log_wait(self, code: int, why: str, mid: str) -> str:
+        """Log a wait that begins or whose cause changes (``backpressure_wait``, or ``redis_full`` with
+        used/maxmemory); the cause."""
+        cause = await self._wait_cause(code)
+        if cause != why:
+            if code == _REDIS_FULL:
+                log.warning("redis_full", stream=self.stream, reason=cause, group_id=mid)
+            else:
+                log.info("backpressure_wait", stream=self.stream, reason=cause, group_id=mid)
+        return cause
+
+    def _timed_out(self, code: int, why: str) -> BackpressureTimeout:
+        s = self.settings
+        if code == _REDIS_FULL:
+            return BackpressureTimeout(f"stream {self.stream!r}: {why} for {s.backpressure_timeout_s:.0f} s")
+        return BackpressureTimeout(f"stream {self.stream!r} held >= {s.max_backlog} unconsumed entries for "
+                                   f"{s.backpressure_timeout_s:.0f} s; is its consumer running?")
+
+    async def _wait_cause(self, code: int) -> str:
+        """Why a send waits, for its log line: another writer, the stream's cap, or Redis's memory."""
+        if code == 3:
+            return "another writer holds the group"
+        if code != _REDIS_FULL:
+            return f"stream at its cap of {self.settings.max_backlog}"
+        mem = await memory_use(self.redis)
+        used, cap = mem.get("used_memory"), mem.get("maxmemory")
+        size = f" (used {used} of {cap} bytes)" if used is not None and cap else ""
+        return f"Redis at maxmemory{size}: writes are refused until memory is freed"
 
     def _unique(self) -> str:
         """A name no other send of any producer uses: this producer's random prefix and a serial number."""

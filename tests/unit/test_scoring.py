@@ -302,7 +302,8 @@ async def test_retries_then_success_with_capped_backoff() -> None:
         [group(100, [9, 9]), group(200, [9])], teacher, retries=4, backoff_base_s=0.5, backoff_max_s=1.5
     )
     assert [s.status for s in out] == [DistillStatus.OK, DistillStatus.OK]
-    assert scorer.sleeps == [0.5, 1.0, 1.5]  # type: ignore[attr-defined]
+    sleeps = scorer.sleeps  # type: ignore[attr-defined]
+    assert len(sleeps) == 3 and all(0 <= s <= c for s, c in zip(sleeps, (0.5, 1.0, 1.5), strict=True))  # jittered
     # Only the failing sequence is re-sent.
     assert [[int(r.tokens[0]) for r in call] for call in teacher.calls[1:]] == [[100], [100], [100]]
     assert scorer.stats.retries == 3
@@ -314,7 +315,8 @@ async def test_retries_exhausted_and_backend_exception() -> None:
     assert out[0].status is DistillStatus.DROPPED
     assert out[0].reason == "teacher_error: http 503: busy (sequence 0)"
     assert out[1].status is DistillStatus.OK
-    assert len(teacher.calls) == 3 and scorer.sleeps == [0.5, 1.0]  # type: ignore[attr-defined]
+    sleeps = scorer.sleeps  # type: ignore[attr-defined]
+    assert len(teacher.calls) == 3 and len(sleeps) == 2 and 0 <= sleeps[0] <= 0.5 and 0 <= sleeps[1] <= 1.0
 
     boom = FakeTeacher()
     boom.raise_next = 1
@@ -424,7 +426,10 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="k_over_cap"):
         ScoringConfig(k_over_cap="ignore")  # type: ignore[arg-type]
     cfg = ScoringConfig(backoff_base_s=1.0, backoff_max_s=5.0)
-    assert [cfg.backoff(i) for i in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    for attempt, ceiling in zip((1, 2, 3, 4, 5, 10**6), (1.0, 2.0, 4.0, 5.0, 5.0, 5.0), strict=True):
+        delays = [cfg.backoff(attempt) for _ in range(50)]
+        assert all(0.0 <= d <= ceiling for d in delays)
+        assert len(set(delays)) > 1  # full jitter: teacher workers that failed together do not retry in lockstep
 
 
 class SlowTeacher(FakeTeacher):
