@@ -17,7 +17,16 @@ from pipeline.serve.atropos.app import create_app
 from pipeline.serve.atropos.packing import scoring_completes_batch
 from pipeline.serve.atropos.startup import ServeConfig
 from pipeline.transport.keys import Keys
-from tests.integration.test_serve_atropos import ENV, FAST, REGISTRATION, TeacherThread, ThreadedServer, group, http
+from tests.integration.test_serve_atropos import (
+    ENV,
+    FAST,
+    RECEIVED,
+    REGISTRATION,
+    TeacherThread,
+    ThreadedServer,
+    group,
+    http,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -44,7 +53,7 @@ def test_batch_waits_for_groups_being_scored_and_no_longer_than_the_bound(redis_
         assert http("POST", url + "/register-env", json=ENV).json()["env_id"] == 0
         # no teacher yet: two groups in flight would complete a batch, but are never scored -> the bound
         for i in range(2):
-            assert http("POST", url + "/scored_data", json=group(seed=i, env_id=0)).json() == {"status": "received"}
+            assert http("POST", url + "/scored_data", json=group(seed=i, env_id=0)).json() == RECEIVED
         took, out = timed_batch(url)
         assert out == {"batch": None} and 2.0 <= took < 3.5
         # the teacher starts: the same GET now waits until the two groups are scored and gets them

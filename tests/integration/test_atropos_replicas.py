@@ -1,12 +1,14 @@
 """Two ``distillq serve atropos`` replicas on one namespace behind a round-robin TCP proxy (the test's load
-balancer): atroposlib 0.4.0 ``BaseEnv`` environments and a leasing trainer talk to the proxy, so their requests
-spread over both replicas; one replica is killed with SIGKILL mid-run and started again. Nothing is lost or
-duplicated, the step counts the batches, the registrations stay as made, and the environments keep running."""
+balancer): atroposlib 0.4.0 ``BaseEnv`` environments (posting with an ``Idempotency-Key``) and a leasing trainer
+talk to the proxy, so their requests spread over both replicas; one replica is killed with SIGKILL mid-run and
+started again. Nothing is lost or duplicated, the step counts the batches, the registrations stay as made, and
+the environments keep running."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -172,12 +174,30 @@ def make_env(url: str, tokenizer: Path, name: str) -> Any:
             self.made.append(group["tokens"])
             return group, []
 
+        def _post_json_with_compression(self, session: Any, url: str, payload: Any, *,
+                                        minimum_size: int = 1024) -> Any:
+            """BaseEnv's own post, with an ``Idempotency-Key`` of the payload's content: BaseEnv posts a group
+            again when a post fails (a replica killed mid-post), and the server keeps a keyed group once."""
+            key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+            return super()._post_json_with_compression(KeyedSession(session, key), url, payload,
+                                                       minimum_size=minimum_size)
+
     cfg = BaseEnvConfig(group_size=2, tokenizer_name=str(tokenizer), rollout_server_url=url, use_wandb=False,
                         wandb_name=name, max_token_length=512, total_steps=1000, steps_per_eval=0,
                         max_num_workers=2, ensure_scores_are_not_same=True,
                         max_batches_offpolicy=1000)  # never cancels a worker: see below
     server = APIServerConfig(base_url="http://127.0.0.1:1/v1", model_name="none", api_key="x", health_check=False)
     return CountingEnv(cfg, [server])
+
+
+class KeyedSession:
+    """An aiohttp session whose ``post`` adds an ``Idempotency-Key`` header."""
+
+    def __init__(self, session: Any, key: str) -> None:
+        self.session, self.key = session, key
+
+    def post(self, url: str, **kw: Any) -> Any:
+        return self.session.post(url, **{**kw, "headers": {**(kw.get("headers") or {}), "Idempotency-Key": self.key}})
 
 
 def request(method: str, url: str, **kw: Any) -> httpx.Response:

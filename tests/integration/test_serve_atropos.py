@@ -48,6 +48,8 @@ FAST = StreamSettings(block_ms=100, claim_idle_ms=2000, claim_interval_ms=200, h
 REGISTRATION = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4, "max_token_len": 512,
                 "checkpoint_dir": "/tmp/ckpt", "save_checkpoint_interval": 10, "starting_step": 0, "num_steps": 100}
 ENV = {"max_token_length": 512, "desired_name": "env", "weight": 1.0, "group_size": 2}
+#: The answer to one group posted and kept.
+RECEIVED = {"status": "received", "kept": 1, "repeated": 0}
 
 
 # ---- servers, teacher, requests (test_atropos_clients.py uses them too) ---------------------------------------
@@ -294,8 +296,11 @@ def test_data_flow_matches_atroposlib_and_adds_the_teacher(stack: Stack) -> None
             server.get("/batch")
             assert server.post("/register-env", ENV).json()["env_id"] == 0
         for body, path in [(g[0], "/scored_data"), (single, "/scored_data"), ([g[1], g[2]], "/scored_data_list"),
-                           (more, "/scored_data_list")]:  # distinct: the same group twice is one group
-            assert answer(stack.post(path, body)) == answer(ref.post(path, body)), body
+                           (more, "/scored_data_list")]:
+            (status_code, ours), theirs = answer(stack.post(path, body)), answer(ref.post(path, body))
+            kept = len(body) if isinstance(body, list) else 1
+            assert (ours.pop("kept"), ours.pop("repeated")) == (kept, 0)  # ours adds what it kept
+            assert (status_code, ours) == theirs, body
         assert answer(stack.get("/latest_example")) == answer(ref.get("/latest_example"))
         # g0, g1, g2 and the first two singles (released together): groups in flight to the teacher count too
         assert answer(stack.get("/status")) == answer(ref.get("/status")) == (200, {"current_step": 0, "queue_size": 5})
@@ -430,7 +435,7 @@ def test_real_shapes_through_the_server(redis_url: str, keys: Keys) -> None:
         posted = s.post("/scored_data", data=gzip.compress(raw, 1),
                         headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
         t_post = time.perf_counter() - t0
-        assert posted.json() == {"status": "received"}
+        assert posted.json() == RECEIVED
         s.wait_queued(1)
         t0 = time.perf_counter()
         _, wire = http_raw(s.url + "/batch", headers={"Accept-Encoding": "gzip"})
@@ -449,7 +454,7 @@ def test_gzip_both_ways(stack: Stack) -> None:
     stack.start_trainer(batch_size=2)
     body = gzip.compress(json.dumps(group(length=300)).encode())
     r = stack.post("/scored_data", data=body, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
-    assert r.json() == {"status": "received"}
+    assert r.json() == RECEIVED
     stack.wait_queued(1)
     raw = stack.get("/latest_example", headers={"Accept-Encoding": "identity"})
     assert "content-encoding" not in raw.headers and raw.json()["tokens"] == group(length=300)["tokens"]
@@ -555,7 +560,8 @@ def test_state_survives_a_server_restart(redis_url: str, keys: Keys, tmp_path: P
             rest = [http("GET", url + "/batch").json()["batch"][0]["tokens"] for _ in range(2)]
             assert rest == [group(seed=1)["tokens"], group(seed=2)["tokens"]]
             r2 = http("POST", url + "/scored_data", json=group(n=1, seed=8, env_id=0)).json()
-            assert r2 == {"status": "buffered", "buffer_size": 0}  # with the single buffered before the crash
+            assert r2 == {"status": "buffered", "buffer_size": 0, "kept": 1,
+                          "repeated": 0}  # with the single buffered before the crash
         finally:
             proc.terminate()
             proc.wait(15)
@@ -624,7 +630,7 @@ def test_the_env_id_travels_with_the_group_not_the_in_flight_record(stack: Stack
     stack.start_trainer(batch_size=2)
     stack.post("/register-env", ENV)
     stack.teacher.__exit__()
-    assert stack.post("/scored_data", group(seed=1, env_id=0)).json() == {"status": "received"}
+    assert stack.post("/scored_data", group(seed=1, env_id=0)).json() == RECEIVED
     stack.r.delete(stack.keys.atropos("inflight"), stack.keys.atropos("inflight_at"))
     stack.teacher = TeacherThread(stack.redis_url, stack.keys.namespace).__enter__()
     stack.wait_queued(1)
@@ -692,17 +698,68 @@ def test_an_expired_batch_missing_a_group_is_never_handed_out_short(stack: Stack
     assert stack.get("/status").json()["queue_size"] == 0 and not stack.r.exists(stack.keys.atropos("front"))
 
 
-def test_a_retried_list_queues_each_group_once(stack: Stack) -> None:
-    """BaseEnv retries a whole ``/scored_data_list`` after a 5xx, without group ids: each group is queued once."""
+def test_identical_groups_without_a_key_are_all_kept_as_atroposlib_posts_them(stack: Stack) -> None:
+    """atroposlib's own API test (``test_scored_data_list_compression``): four identical groups of 8 sequences
+    in one ``/scored_data_list`` (sent by ``requests``, as there), then a batch of 32 sequences. Identical groups
+    are data (greedy sampling, a repeated prompt): all four are kept, and the answer says so."""
+    import requests
+
+    reg = {**REGISTRATION, "batch_size": 32, "max_token_len": 2048}
+    assert requests.post(stack.url + "/register", json=reg, timeout=60).status_code == 200
+    items = [{"tokens": [list(range(512)) for _ in range(8)], "masks": [[1] * 512 for _ in range(8)],
+              "scores": [0.5] * 8} for _ in range(4)]
+    resp = requests.post(stack.url + "/scored_data_list", json=items, timeout=60)
+    assert resp.status_code == 200
+    assert resp.json() == {"status": "received", "groups_processed": 4, "kept": 4, "repeated": 0}
+    stack.wait_queued(4)
+    batch = requests.get(stack.url + "/batch", timeout=60).json()["batch"]
+    assert batch is not None and sum(len(item["tokens"]) for item in batch) == 32
+    assert len(batch) == 4 and all(item["tokens"] == items[0]["tokens"] for item in batch)
+    one = {"tokens": [[5, 6, 7]], "masks": [[-100, 6, 7]], "scores": [1.0]}
+    assert [requests.post(stack.url + "/scored_data", json=one, timeout=60).json() for _ in range(2)] == [
+        {"status": "received", "kept": 1, "repeated": 0}] * 2  # the same group twice, no key: two groups
+    stack.wait_queued(2)
+
+
+def test_a_repeated_idempotency_key_is_dropped_and_reported(stack: Stack) -> None:
+    """A client retrying a post with the same key (``Idempotency-Key``, ``key#i`` per group of a list, or a
+    group's ``group_id``) posts each group once, and the answer counts the repeats; identical content under
+    another key is another group."""
     stack.start_trainer(batch_size=2)
-    items = [group(seed=1), group(seed=2)]
-    for _ in range(2):
-        assert stack.post("/scored_data_list", items).json()["status"] == "received"
+    items = [group(seed=1), group(seed=1)]  # identical, both kept: the key numbers them
+    first = stack.post("/scored_data_list", items, headers={"Idempotency-Key": "post-1"}).json()
+    again = stack.post("/scored_data_list", items, headers={"Idempotency-Key": "post-1"}).json()
+    assert first == {"status": "received", "groups_processed": 2, "kept": 2, "repeated": 0}
+    assert again == {"status": "received", "groups_processed": 2, "kept": 0, "repeated": 2}
+    single = [stack.post("/scored_data", group(seed=2), headers={"Idempotency-Key": "one"}).json() for _ in range(2)]
+    assert single == [{"status": "received", "kept": 1, "repeated": 0},
+                      {"status": "received", "kept": 0, "repeated": 1}]
+    by_id = [stack.post("/scored_data", group(seed=3, group_id="g-3")).json() for _ in range(2)]
+    assert [(b["kept"], b["repeated"]) for b in by_id] == [(1, 0), (0, 1)]
+    other = stack.post("/scored_data", group(seed=3), headers={"Idempotency-Key": "two"}).json()
+    assert (other["kept"], other["repeated"]) == (1, 0)
+    stack.wait_queued(5)
+    time.sleep(0.5)  # a repeat that slipped through would reach the queue by now
+    assert stack.r.xlen(stack.keys.atropos("queue")) == 5 and stack.get("/status").json()["queue_size"] == 5
+    gids = {f[b"gid"].decode() for _, f in stack.r.xrange(stack.keys.atropos("queue"))}
+    assert gids == {"post-1#0", "post-1#1", "one", "g-3", "two"}
+
+
+def test_a_repeated_key_of_a_buffered_group_is_dropped(stack: Stack) -> None:
+    """An env's off-size group waits in its buffer: a retry of it is a repeat there too, and after release."""
+    stack.start_trainer(batch_size=2)
+    assert stack.post("/register-env", ENV).json()["env_id"] == 0
+    one = group(n=1, seed=4, env_id=0)
+    answers = [stack.post("/scored_data", one, headers={"Idempotency-Key": "b1"}).json() for _ in range(2)]
+    assert answers == [{"status": "buffered", "buffer_size": 1, "kept": 1, "repeated": 0},
+                       {"status": "received", "kept": 0, "repeated": 1}]
+    two = stack.post("/scored_data", group(n=1, seed=5, env_id=0), headers={"Idempotency-Key": "b2"}).json()
+    assert two == {"status": "buffered", "buffer_size": 0, "kept": 1, "repeated": 0}  # both released
+    late = stack.post("/scored_data", one, headers={"Idempotency-Key": "b1"}).json()
+    assert (late["kept"], late["repeated"]) == (0, 1)  # released already: still a repeat
     stack.wait_queued(2)
     time.sleep(0.5)
-    assert stack.r.xlen(stack.keys.atropos("queue")) == 2 and stack.get("/status").json()["queue_size"] == 2
-    got = [stack.get("/batch").json()["batch"] for _ in range(3)]
-    assert [b[0]["tokens"] for b in got[:2]] == [g["tokens"] for g in items] and got[2] is None
+    assert {f[b"gid"].decode() for _, f in stack.r.xrange(stack.keys.atropos("queue"))} == {"b1", "b2"}
 
 
 async def test_the_sdk_pushes_a_group_without_group_id_once(r: Any, keys: Keys) -> None:
@@ -753,9 +810,9 @@ def test_request_bodies_above_the_cap_get_413_and_the_server_keeps_serving(redis
             assert r.status_code == 413 and "more than 1048576 bytes" in r.text, (r.status_code, r.text[:200])
             assert http("GET", srv.url + "/info").status_code == 200
         at_cap = json.dumps(group(seed=1)).encode().ljust(cap, b" ")
-        assert http("POST", srv.url + "/scored_data", data=at_cap, headers=plain).json() == {"status": "received"}
+        assert http("POST", srv.url + "/scored_data", data=at_cap, headers=plain).json() == RECEIVED
         at_cap_gz = gzip.compress(json.dumps(group(seed=2)).encode().ljust(cap, b" "))
-        assert http("POST", srv.url + "/scored_data", data=at_cap_gz, headers=gz).json() == {"status": "received"}
+        assert http("POST", srv.url + "/scored_data", data=at_cap_gz, headers=gz).json() == RECEIVED
 
 
 async def test_a_reset_waits_for_posts_under_way_and_holds_new_ones() -> None:

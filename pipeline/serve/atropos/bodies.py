@@ -1,7 +1,8 @@
 """Request bodies of the Atropos API, field for field as atroposlib 0.4.0's server declares them, so the
 same requests get the same 422s (FastAPI's ``{"detail": [...]}``). Two changes, both 422s where the
 reference answers 500: a null message, and a message list that is not a list. ``ScoredData`` also takes
-an optional ``group_id`` (the reference ignores unknown keys), which makes a retried post idempotent.
+an optional ``group_id`` (the reference ignores unknown keys): the client's idempotency key for the group, so
+a retried post of it is queued once.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ScoredData(BaseModel):
     env_id: int | None = None
     distill_token_ids: list[list[list[int]]] | None = None
     distill_logprobs: list[list[list[float]]] | None = None
-    group_id: str | None = None  # not in the reference: the same id posted twice is queued once
+    group_id: str | None = None  # not in the reference: an idempotency key, the same id posted twice is queued once
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -9,14 +9,18 @@ env's buffer cannot fill its group size, and put on the ``rollouts`` stream for 
   reference; those then go on, each as its own group.
 * A group with more sequences than the registered batch size can never be batched: it goes to the DLQ
   (stage ``atropos``, replayable onto ``rollouts``) instead of being scored and then blocking the queue.
-* Writes go through ``StreamProducer``: idempotent by group id (a client's ``group_id``, else one derived
-  from the group's content, so a retried post is one group), waiting while the stream is full
-  (``BackpressureTimeout``: the app answers 503).
+* Writes go through ``StreamProducer``, idempotent by group id, waiting while the stream is full
+  (``BackpressureTimeout``: the app answers 503). A group's id is the client's idempotency key when it sends
+  one (the group's ``group_id``, else the request's ``Idempotency-Key`` header, ``key#i`` for the i-th group
+  of a list), and a fresh id otherwise: a key posted again is a *repeat*, dropped and reported; two groups
+  of the same content without a key are two groups (greedy sampling and repeated prompts give identical
+  groups, and they are data).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Final
@@ -32,7 +36,7 @@ from pipeline.serve.atropos.packing import pick_exact
 from pipeline.serve.atropos.state import AtroposState, BufferedGroup, Trainer, env_field
 from pipeline.transport.consumer import dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import F_DATA, F_ID, F_TYPE, AddResult, StreamProducer
+from pipeline.transport.producer import F_DATA, F_ID, F_TYPE, AddResult, StreamProducer, is_written
 from schemas import Limits, RolloutGroup, decode, encode
 from schemas.atropos import rollout_group_from_atropos
 
@@ -40,6 +44,8 @@ log = structlog.get_logger("distillq.serve.atropos")
 
 STAGE: Final = "atropos"
 _JSON: Final = msgspec.json.Encoder()
+#: The prefix of the id a group posted without an idempotency key gets (a fresh one per post).
+POSTED_PREFIX: Final = "atropos-"
 
 
 def convert(posted: dict[str, Any], group_id: str | None, policy_version: int, limits: Limits) -> RolloutGroup:
@@ -49,13 +55,25 @@ def convert(posted: dict[str, Any], group_id: str | None, policy_version: int, l
                                       strict_lengths=False)
 
 
+def group_key(data: ScoredData, header_key: str | None, index: int | None) -> str | None:
+    """The client's idempotency key for a posted group: its ``group_id``, else the request's
+    ``Idempotency-Key`` (``key#i`` for group ``i`` of a list), else None."""
+    if data.group_id:
+        return data.group_id
+    if not header_key:
+        return None
+    return header_key if index is None else f"{header_key}#{index}"
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A posted group, converted: the rollout group, the posted JSON (for ``/latest_example``), its env."""
+    """A posted group, converted: the rollout group, the posted JSON (for ``/latest_example``), its env, and
+    whether its id is the client's idempotency key (else a fresh id: it cannot be a repeat)."""
 
     group: RolloutGroup
     posted: bytes
     env_id: int | None
+    keyed: bool = False
 
 
 class Ingest:
@@ -68,18 +86,21 @@ class Ingest:
         # one buffer update at a time (read, pick, release, rewrite), across replicas with a SharedLock
         self._buffers = buffers_lock if buffers_lock is not None else asyncio.Lock()
 
-    def prepare(self, data: ScoredData, t: Trainer) -> Prepared:
-        """Convert one posted group (raises ``DecodeError`` for a group we cannot take); nothing is written."""
+    def prepare(self, data: ScoredData, t: Trainer, key: str | None = None) -> Prepared:
+        """Convert one posted group (raises ``DecodeError`` for a group we cannot take); nothing is written.
+        ``key``: the client's idempotency key (``group_key``), the group's id; without one the group gets a
+        fresh id."""
         posted = data.reference_dict()
-        group = convert(posted, data.group_id, t.step, self.limits)
-        return Prepared(group, _JSON.encode(posted), data.env_id)
+        group = convert(posted, key or f"{POSTED_PREFIX}{uuid.uuid4().hex}", t.step, self.limits)
+        return Prepared(group, _JSON.encode(posted), data.env_id, keyed=key is not None)
 
     async def submit(self, p: Prepared, t: Trainer, envs: list[dict[str, Any]]) -> dict[str, Any]:
-        """``{"status": "received"}``, ``{"status": "buffered", "buffer_size": n}`` or
+        """``{"status": "received"}``, ``{"status": "buffered", "buffer_size": n}``,
+        ``{"status": "repeated"}`` (the group's idempotency key was posted before: dropped) or
         ``{"status": "dead_lettered", "reason": ...}``."""
         env_id = p.env_id
         if env_id is not None and 0 <= env_id < len(envs) and len(p.group.sequences) != envs[env_id]["group_size"]:
-            return await self._buffer(env_id, int(envs[env_id]["group_size"]), p.group, p.posted, t)
+            return await self._buffer(env_id, int(envs[env_id]["group_size"]), p, t)
         return await self.send(p.group, p.posted, env_id, t)
 
     async def send(self, group: RolloutGroup, posted: bytes, env_id: int | None, t: Trainer) -> dict[str, Any]:
@@ -99,12 +120,23 @@ class Ingest:
             if created:  # the first copy already left the pipeline's streams: nothing of it is in flight
                 await self.state.untrack(group.group_id)
             log.info("group_already_posted", group_id=group.group_id)
+            return {"status": "repeated"}
         await self.state.set_latest(posted)
         return {"status": "received"}
 
-    async def _buffer(self, env_id: int, size: int, group: RolloutGroup, posted: bytes, t: Trainer) -> dict[str, Any]:
+    async def _posted(self, group_id: str) -> bool:
+        """Whether a group of this id was written to ``rollouts`` (within the dedupe TTL)."""
+        marker: bytes | None = await self.redis.get(self.keys.seen("rollouts", group_id, self.producer.shards))
+        return is_written(marker)
+
+    async def _buffer(self, env_id: int, size: int, p: Prepared, t: Trainer) -> dict[str, Any]:
+        group, posted = p.group, p.posted
         encoded = await asyncio.to_thread(lambda: bytes(encode(group)))
         async with self._buffers:
+            waiting = await self.state.buffered(env_id)
+            if p.keyed and (any(b.group_id == group.group_id for b in waiting) or await self._posted(group.group_id)):
+                log.info("group_already_posted", group_id=group.group_id)
+                return {"status": "repeated"}
             await self.state.buffer(env_id, BufferedGroup(group.group_id, len(group.sequences), posted, encoded))
             waiting = await self.state.buffered(env_id)
             idx = pick_exact([b.sequences for b in waiting], size) or []

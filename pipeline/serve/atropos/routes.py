@@ -5,7 +5,9 @@ oldest first, and with ``?lease=1`` returns a ``batch_id`` to acknowledge (``POS
 the lease runs out, else the batch is handed out again; a group that can never fit a batch is
 dead-lettered (``{"status": "dead_lettered", "reason": ...}``); bad requests get a 4xx naming the field
 where the reference answers 500 (unknown env id: 404; a group our wire cannot take: 422); a full pipeline
-answers 503 (``Retry-After``) when the rollouts stream stays at its cap.
+answers 503 (``Retry-After``) when the rollouts stream stays at its cap; posts answer ``kept`` and
+``repeated`` besides the reference's keys (a group whose idempotency key, its ``group_id`` or the request's
+``Idempotency-Key``, was posted before is a repeat, dropped).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import re
 from typing import Any, Final
 
 import msgspec
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pipeline.serve.atropos.bodies import BatchAck, EnvIdentifier, RegisterEnv, Registration, ScoredData
-from pipeline.serve.atropos.ingest import Prepared
+from pipeline.serve.atropos.ingest import Prepared, group_key
 from pipeline.serve.atropos.packing import status_env
 from pipeline.serve.atropos.queue import Handout
 from pipeline.serve.atropos.startup import Server
@@ -29,6 +31,8 @@ from schemas import DecodeError
 from schemas.atropos import ATROPOS_KEYS, to_atropos
 
 router = APIRouter()
+#: The request header a client names its post with (a retried post with the same key is queued once).
+IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
 #: How often ``GET /batch`` looks again while it waits for groups being scored.
 BATCH_POLL_S: Final = 0.05
 _JSON: Final = msgspec.json.Encoder()
@@ -147,43 +151,56 @@ async def latest_example(request: Request) -> Response | dict[str, Any]:
     return NO_EXAMPLE if raw is None else Response(raw, media_type="application/json")
 
 
+def _counts(results: list[dict[str, Any]]) -> dict[str, int]:
+    """``kept`` (queued for scoring or buffered) and ``repeated`` (an idempotency key posted before: dropped)."""
+    repeated = sum(r["status"] == "repeated" for r in results)
+    kept = sum(r["status"] in ("received", "buffered") for r in results)
+    return {"kept": kept, "repeated": repeated}
+
+
 @router.post("/scored_data")
-async def scored_data(data: ScoredData, request: Request) -> dict[str, Any]:
+async def scored_data(data: ScoredData, request: Request,
+                      idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_HEADER)) -> dict[str, Any]:
+    """One group: the reference's answer, plus ``kept`` and ``repeated`` (0 or 1 each). A repeat answers
+    ``"status": "received"`` too (a client retrying after a lost answer sees its post done)."""
     srv = _server(request)
     async with srv.gate.post():
         t = await srv.state.trainer()
-        prepared = await asyncio.to_thread(srv.ingest.prepare, data, t)
-        out = await srv.ingest.submit(prepared, t, await srv.state.envs())
+        prepared = await asyncio.to_thread(srv.ingest.prepare, data, t, group_key(data, idempotency_key, None))
+        res = await srv.ingest.submit(prepared, t, await srv.state.envs())
     srv.items_cache = (0.0, [])
-    return out
+    out = {**res, "status": "received"} if res["status"] == "repeated" else res
+    return {**out, **_counts([res])}
 
 
 @router.post("/scored_data_list")
-async def scored_data_list(items: list[ScoredData], request: Request) -> dict[str, Any]:
-    """Every group is converted before any is written: one bad group refuses the whole list (422)."""
+async def scored_data_list(items: list[ScoredData], request: Request,
+                           idempotency_key: str | None = Header(None, alias=IDEMPOTENCY_HEADER)) -> dict[str, Any]:
+    """Every group is converted before any is written: one bad group refuses the whole list (422). The answer
+    is the reference's plus ``kept`` and ``repeated`` (``groups_processed`` counts every group, as there)."""
     srv = _server(request)
     out: dict[str, Any] = {"status": "received", "groups_processed": len(items)}
-    buffered, dead, last = 0, 0, None
+    results: list[dict[str, Any]] = []
     async with srv.gate.post():
         t = await srv.state.trainer()
         prepared: list[Prepared] = []
         for i, data in enumerate(items):
             try:
-                prepared.append(await asyncio.to_thread(srv.ingest.prepare, data, t))
+                prepared.append(await asyncio.to_thread(srv.ingest.prepare, data, t,
+                                                        group_key(data, idempotency_key, i)))
             except DecodeError as e:
                 raise DecodeError(f"{i}.{e.field}", e.reason) from None
         envs = await srv.state.envs()
         for p in prepared:
-            res = await srv.ingest.submit(p, t, envs)
-            if res["status"] == "buffered":
-                buffered, last = buffered + 1, res["buffer_size"]
-            dead += res["status"] == "dead_lettered"
+            results.append(await srv.ingest.submit(p, t, envs))
     srv.items_cache = (0.0, [])
+    buffered = [r["buffer_size"] for r in results if r["status"] == "buffered"]
+    dead = sum(r["status"] == "dead_lettered" for r in results)
     if buffered:
-        out.update(buffered=buffered, last_buffer_size=last)
+        out.update(buffered=len(buffered), last_buffer_size=buffered[-1])
     if dead:
         out["dead_lettered"] = dead
-    return out
+    return {**out, **_counts(results)}
 
 
 @router.get("/status")
