@@ -77,12 +77,12 @@ class Heartbeat:
                 await self.beat(handled=stats.handled, outcomes=dict(stats.outcomes), **report)
             except TRANSIENT:
                 metrics.REDIS_ERRORS.labels("heartbeat").inc()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
             except ResponseError as e:  # Redis at maxmemory refuses the SET: the next beat tries again
                 if not is_redis_full(e):
                     raise
                 metrics.REDIS_ERRORS.labels("heartbeat").inc()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
 
     async def clear(self) -> None:
         with contextlib.suppress(*TRANSIENT):

@@ -202,12 +202,12 @@ class HTTPTeacher:
                     if left <= 0:
                         raise TeacherConfigError(f"teacher {server.url} unreachable ({tries} tries in "
                                                  f"{self.config.startup_timeout_s:g} s): {e!r}") from e
+                    delay = min(backoff.next_delay(), left)
                     if loop.time() >= next_log:  # at once, then every STARTUP_LOG_EVERY_S
                         log.warning("teacher_unreachable", url=server.url, error=repr(e), tries=tries,
                                     retry_in=round(delay, 2), gives_up_in_s=round(left, 1))
                         next_log = loop.time() + STARTUP_LOG_EVERY_S
                     await asyncio.sleep(delay)
-                    delay = min(backoff.next_delay(), left)
         self._max_k = min(caps)
         if self.config.k > self._max_k:
             raise TeacherConfigError(

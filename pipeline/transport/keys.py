@@ -30,6 +30,7 @@ key                                                type          written by / me
 ``ns:incidents``                                   stream        any process: faults outside distillq it noticed
                                                                  (Redis reset, data lost), for ``stats``
                                                                  ``attention:`` (``transport.incidents``)
+``ns:arq:*``                                       (arq)         rollout job queue, owned by arq (transport.jobs)
 ``ns:sentinel``                                    hash          first consumer of the namespace: a random token
                                                                  that lives as long as the namespace's data; a
                                                                  worker that finds it gone or changed names the
