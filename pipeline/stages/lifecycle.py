@@ -5,7 +5,8 @@
 * the **stop event** it was given (``stopping``): the loop body reads until it is set;
 * the **heartbeat**: ``Heartbeat`` writes ``health:<stage>:<consumer>`` (JSON: pid, host, start time, last
   beat, messages handled, outcome counts and the stage's own report) every interval with a TTL of three
-  intervals, from entry until stop; the task is cancelled on exit and the key deleted;
+  intervals (``ttl_ms``, also in the JSON: ``pipeline.stages.liveness`` reads ages on the Redis clock), from
+  entry until stop; the task is cancelled on exit and the key deleted;
 * **lease renewal** of in-flight entries, for a stage that holds them: ``renew_leases`` resets their idle
   time every third of ``claim_idle_ms`` from entry to exit, so nobody reclaims them while slow work runs;
 * **Redis back-off**: ``redis_error`` counts a transient error (``distillq_redis_errors_total{stage}``),
@@ -36,8 +37,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-
 from redis.exceptions import ResponseError
+
 from pipeline import metrics
 from pipeline.backoff import Backoff
 from pipeline.transport.connection import TRANSIENT, is_redis_full
@@ -67,8 +68,9 @@ class Heartbeat:
         self.info: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
 
     async def beat(self, **extra: object) -> None:
-        self.info.update(extra, ts=time.time())
-        await self.redis.set(self.key, json.dumps(self.info), px=int(self.interval_s * 3000))
+        ttl_ms = int(self.interval_s * 3000)  # in the JSON too: readers age it on the Redis clock (stages.liveness)
+        self.info.update(extra, ts=time.time(), ttl_ms=ttl_ms)
+        await self.redis.set(self.key, json.dumps(self.info), px=ttl_ms)
 
     async def run(self, stop: asyncio.Event, stats: RunStats) -> None:
         while not stop.is_set():
