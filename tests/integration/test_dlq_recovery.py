@@ -264,7 +264,7 @@ async def test_push_force_of_a_group_in_a_batch_not_acknowledged_is_refused(
     await StreamProducer(r, keys, "rollouts", fast()).send(g)
     await p.teach()
     await p.feed()
-    code, out, err = await cli(capsys, redis_url, keys, "push", push_file(tmp_path, g), "--force")
+    code, _out, err = await cli(capsys, redis_url, keys, "push", push_file(tmp_path, g), "--force")
     assert code == 1 and "not pushed again: busy: it is in batch entry" in err
     assert "which the learner has not acknowledged yet; wait: distillq where busy" in err
     assert await p.run() == ["busy"] and p.trained == Counter({"busy": 1})
