@@ -23,7 +23,7 @@ ROLLOUT = synthetic_rollout(2, 12, group_id="g")
 SCORED = synthetic_scored(ROLLOUT, k=4)
 
 
-def dead_letter(reason: str, source: str, payload: bytes | None, *, stage: str = "teacher",
+def dead_letter(reason: str, source: str, payload: bytes | memoryview | None, *, stage: str = "teacher",
                 mtype: bytes = b"rollout") -> dict[bytes, bytes]:
     original = {b"t": mtype, b"gid": b"g", **({b"d": bytes(payload)} if payload is not None else {})}
     fields = dead_letter_fields(stage, reason, source, "1-0", "c", original)
