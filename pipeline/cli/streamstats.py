@@ -1,7 +1,8 @@
 """Numbers behind ``distillq stats``: one snapshot of every stage stream, its consumer group and workers.
 
 ``collect`` reads Redis (XINFO, XPENDING, MEMORY USAGE, heartbeat keys); everything else is pure.
-Times come from the Redis server clock (stream ids use it too), so client clock skew does not matter.
+Times come from the Redis server clock (stream ids use it too), so client clock skew does not matter;
+heartbeat ages too (``pipeline.stages.liveness``), which also measures each worker's clock skew.
 
 Throughput comes from two sources:
 
@@ -13,18 +14,20 @@ Throughput comes from two sources:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from pipeline.stages.liveness import Beat, read_beats, server_time
 from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys
 from pipeline.transport.sharding import get_shards
 
 #: Most ids counted in the throughput window (the count runs inside Redis, no payload is sent).
 WINDOW_CAP: Final = 100_000
+#: Pending entries read per group (oldest first) to count those delivered more than once.
+PENDING_SAMPLE: Final = 1000
 
 # [exists, entries-added, last-generated-id, ids newer than ARGV[1] (at most ARGV[2])]
 _STREAM_INFO: Final = """
@@ -62,7 +65,10 @@ class GroupStats:
     entries_read: int | None = None
     oldest_pending_id: str | None = None
     oldest_pending_age_s: float | None = None  # since the entry was added
-    oldest_pending_idle_s: float | None = None  # since it was last delivered
+    oldest_pending_idle_s: float | None = None  # since it was last delivered (or its lease renewed)
+    oldest_pending_consumer: str | None = None  # who holds it
+    redelivered: int = 0  # pending entries delivered more than once (of the oldest PENDING_SAMPLE)
+    max_deliveries: int = 0  # the most deliveries of one pending entry (same sample)
     read_per_s: float | None = None
     consumer_list: list[ConsumerStats] = field(default_factory=list)
 
@@ -101,6 +107,10 @@ class WorkerStats:
     outcomes: dict[str, int] = field(default_factory=dict)  # by outcome (stale, batched, emitted, ...)
     drops: dict[str, int] = field(default_factory=dict)  # teacher: payloads dropped, by reason
     problem: str | None = None  # what the worker reports as wrong (teacher: its backend failing)
+    slow: str | None = None  # alive and working, but slowly (teacher: its backend's calls take long)
+    clamped_k: int = 0  # teacher: groups whose k was clamped to the cap (``--k-over-cap clamp``)
+    settings: dict[str, Any] = field(default_factory=dict)  # feeder: its effective batching settings
+    clock_skew_s: float | None = None  # the worker's clock minus Redis's at its last beat (None: unknown)
 
 
 @dataclass(slots=True)
@@ -112,14 +122,45 @@ class Snapshot:
     workers: list[WorkerStats]
     policy_version: int | None = None  # the learner's (None: never set)
     max_backlog: int = 0  # entries per stream key at which producers wait (this command's setting)
-    rollout_jobs: int | None = None  # prompts queued for rollout workers (arq), None if unreadable
+    rollout_jobs: int | None = None  # prompts queued for rollout workers, None if unreadable
     namespace_note: str | None = None  # the namespace has no keys here
+    memory: RedisMemory | None = None  # Redis's INFO memory (None: unreadable)
+    dead_letters_by_stage: dict[str, int] = field(default_factory=dict)  # of the newest DLQ_SAMPLE dead letters
+    incidents: list[IncidentStats] = field(default_factory=list)  # recent, newest first
+    claim_idle_s: float = 60.0  # this command's DISTILLQ_CLAIM_IDLE_MS, in seconds
+    hold_warn_s: float = 300.0  # a learner holding a batch longer than this is named (``--hold-warn``)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         for name, s in self.streams.items():
             out["streams"][name]["window_rate"] = round(s.window_rate, 3)
         return out
+
+
+@dataclass(slots=True)
+class RedisMemory:
+    """Redis's memory (INFO memory) and its refusals of writes for lack of it (INFO errorstats)."""
+
+    used_bytes: int
+    max_bytes: int  # 0: no maxmemory
+    policy: str = "noeviction"
+    oom_errors: int = 0  # OOM errors Redis answered since it started
+    oom_errors_new: int | None = None  # since the previous snapshot (``with_rates``; None: one snapshot)
+
+    @property
+    def used_fraction(self) -> float | None:
+        return self.used_bytes / self.max_bytes if self.max_bytes else None
+
+
+@dataclass(slots=True)
+class IncidentStats:
+    """A recorded incident (``pipeline.transport.incidents``)."""
+
+    kind: str
+    text: str
+    ts: float
+    writer: str = ""
+    age_s: float = 0.0  # on the Redis clock (the writer's ``ts`` may be skewed)
 
 
 def id_ms(entry_id: str) -> int:
@@ -161,26 +202,20 @@ def parse_consumer(raw: dict[str, Any]) -> ConsumerStats:
     )
 
 
-def parse_heartbeat(keys: Keys, key: str, raw: bytes | None, now: float) -> WorkerStats | None:
-    """A heartbeat key (``{ns}:health:<stage>:<consumer>``) and its JSON value; None if unreadable."""
-    prefix = f"{keys.namespace}:health:"
-    if raw is None or not key.startswith(prefix):
-        return None
-    stage, _, consumer = key[len(prefix):].partition(":")
-    try:
-        info = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(info, dict):
-        return None
-    ts = info.get("ts")
+def worker_of(b: Beat) -> WorkerStats:
+    """A heartbeat as ``stats`` shows it (the stage's report fields it knows; unknown ones are ignored)."""
+    info = b.info
+    settings = info.get("settings")
     return WorkerStats(
-        stage=str(info.get("stage", stage)), consumer=consumer, host=str(info.get("host", "")),
-        pid=int(info.get("pid", 0) or 0), handled=int(info.get("handled", 0) or 0),
-        age_s=None if ts is None else round(max(0.0, now - float(ts)), 3),
+        stage=b.stage, consumer=b.consumer, host=str(info.get("host", "")),
+        pid=int(info.get("pid", 0) or 0), handled=int(info.get("handled", 0) or 0), age_s=b.age_s,
         started=None if info.get("started") is None else float(info["started"]),
         outcomes=_counts(info.get("outcomes")), drops=_counts(info.get("drops")),
         problem=None if not info.get("unhealthy") else str(info["unhealthy"]),
+        slow=None if not info.get("slow") else str(info["slow"]),
+        clamped_k=_counts({"n": info.get("clamped_k")}).get("n", 0),
+        settings=dict(settings) if isinstance(settings, dict) else {},
+        clock_skew_s=b.skew_s,
     )
 
 
@@ -195,6 +230,8 @@ def with_rates(prev: Snapshot | None, cur: Snapshot) -> Snapshot:
     if prev is None or cur.time <= prev.time:
         return cur
     dt = cur.time - prev.time
+    if cur.memory is not None and prev.memory is not None:
+        cur.memory.oom_errors_new = max(0, cur.memory.oom_errors - prev.memory.oom_errors)
     for name, s in cur.streams.items():
         before = prev.streams.get(name)
         if before is None or not before.exists or not s.exists:
@@ -208,20 +245,17 @@ def with_rates(prev: Snapshot | None, cur: Snapshot) -> Snapshot:
     return cur
 
 
-async def server_time(redis: aioredis.Redis) -> float:
-    sec, usec = await redis.time()
-    return float(sec) + float(usec) / 1e6
-
-
 async def _group(redis: aioredis.Redis, key: str, g: GroupStats, now: float) -> None:
     """Add the oldest pending entry and the consumers of an existing group."""
     if g.pending:
-        rows: Any = await redis.xpending_range(key, g.name, min="-", max="+", count=1)
+        rows: Any = await redis.xpending_range(key, g.name, min="-", max="+", count=PENDING_SAMPLE)
         if rows:
             eid = _str(rows[0]["message_id"])
-            g.oldest_pending_id = eid
+            g.oldest_pending_id, g.oldest_pending_consumer = eid, _str(rows[0]["consumer"])
             g.oldest_pending_age_s = round(max(0.0, now - id_ms(eid) / 1000), 3)
             g.oldest_pending_idle_s = int(rows[0]["time_since_delivered"]) / 1000
+            deliveries = [int(r["times_delivered"]) for r in rows]
+            g.redelivered, g.max_deliveries = sum(n > 1 for n in deliveries), max(deliveries)
     consumers: Any = await redis.xinfo_consumers(key, g.name)
     g.consumer_list = [parse_consumer(c) for c in consumers]
 
@@ -253,16 +287,10 @@ async def stream_stats(
     return s
 
 
-async def workers(redis: aioredis.Redis, keys: Keys, now: float) -> list[WorkerStats]:
-    names = sorted({_str(k) async for k in redis.scan_iter(match=keys.heartbeat_pattern(), count=500)})
-    if not names:
-        return []
-    async with redis.pipeline(transaction=False) as p:  # not MGET: heartbeats span slots on a cluster
-        for n in names:
-            p.get(n)
-        values = await p.execute()
-    found = (parse_heartbeat(keys, n, v, now) for n, v in zip(names, values, strict=True))
-    return [w for w in found if w is not None]
+async def workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerStats]:
+    """Every live worker (a heartbeat key), aged on the Redis clock."""
+    _, beats = await read_beats(redis, keys)
+    return [worker_of(b) for b in beats]
 
 
 def total_of(name: str, parts: list[StreamStats]) -> StreamStats:
@@ -281,8 +309,12 @@ def total_of(name: str, parts: list[StreamStats]) -> StreamStats:
             m.lag = (m.lag or 0) + (g.lag or 0)
             m.pending += g.pending
             m.exists = m.exists or g.exists
-            ages = [a for a in (m.oldest_pending_age_s, g.oldest_pending_age_s) if a is not None]
-            m.oldest_pending_age_s = max(ages) if ages else None
+            if g.oldest_pending_age_s is not None and (m.oldest_pending_age_s is None
+                                                       or g.oldest_pending_age_s > m.oldest_pending_age_s):
+                m.oldest_pending_age_s, m.oldest_pending_id = g.oldest_pending_age_s, g.oldest_pending_id
+                m.oldest_pending_idle_s, m.oldest_pending_consumer = g.oldest_pending_idle_s, g.oldest_pending_consumer
+            m.redelivered += g.redelivered
+            m.max_deliveries = max(m.max_deliveries, g.max_deliveries)
             m.consumer_list = merge_consumers(m.consumer_list + g.consumer_list)
             m.consumers = max(m.consumers, g.consumers, len(m.consumer_list))
     t.groups = list(merged.values())
@@ -323,4 +355,4 @@ async def collect(
             out[n] = await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap)
     dead = out["dlq"].length if "dlq" in out else int(await redis.xlen(keys.dlq))
     return Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
-                    workers=await workers(redis, keys, now))
+                    workers=await workers(redis, keys))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -104,11 +105,22 @@ class Feeder:
         ready = s if max_ready_batches is None else s.model_copy(
             update={"max_backlog": min(s.max_backlog, max_ready_batches)})
         self.producer = StreamProducer(redis, keys, "batches", ready)
-        self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s)
+        self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s,
+                                   extra=self.report)
         self.max_buffered = max_buffered_groups
+        self.max_ready_batches = max_ready_batches
         self.state = FeederState()
         self.limits = s.limits()
         self._version_read_at = float("-inf")
+
+    def report(self) -> dict[str, object]:
+        """For the heartbeat: the effective settings this feeder batches by (``distillq stats`` names the ones on
+        which two feeders of a namespace disagree)."""
+        c = self.controller
+        kl = (f"adaptive target {c.target} horizon {c.horizon}" if isinstance(c, AdaptiveKL)
+              else f"constant {c.value}")
+        return {"settings": {**dataclasses.asdict(self.cfg), "kl": kl, "max_buffered_groups": self.max_buffered,
+                             "max_ready_batches": self.max_ready_batches}}
 
     async def restore_controller(self) -> None:
         """Continue from the KL controller state stored in Redis, if any."""

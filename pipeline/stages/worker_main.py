@@ -8,9 +8,7 @@ asyncio task is waiting on (``task_stack`` events, innermost call last): where a
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +17,7 @@ import structlog
 
 from pipeline.config import RedisSettings
 from pipeline.metrics import serve_metrics
+from pipeline.stages.liveness import Beat, read_beats, skew_note
 from pipeline.transport.connection import TRANSIENT, connect, mask_url
 from pipeline.transport.keys import Keys
 
@@ -99,14 +98,12 @@ async def run_worker(
     return 0
 
 
-def _s(v: object) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-
-
 async def check_health(
     redis_settings: RedisSettings, stage: str, max_age_s: float = 30.0, *, host: str | None = None
 ) -> tuple[bool, str]:
-    """Healthy when a worker of ``stage`` (on ``host``, if given) wrote its heartbeat within ``max_age_s``.
+    """Healthy when a worker of ``stage`` (on ``host``, if given) wrote its heartbeat within ``max_age_s`` (on the
+    Redis clock, ``pipeline.stages.liveness``, as ``distillq stats`` reads it; a worker clock off by more than
+    ``MAX_SKEW_S`` is named).
 
     A container health check passes ``host=socket.gethostname()`` so that each replica reports on its
     own worker, not on any replica of the stage.
@@ -114,33 +111,28 @@ async def check_health(
     redis = connect(redis_settings)
     keys = Keys(redis_settings.namespace)
     try:
-        names = [k async for k in redis.scan_iter(match=keys.heartbeat_pattern(stage), count=500)]
-        if not names:
+        _, beats = await read_beats(redis, keys, stage)  # aged on the Redis clock, as distillq stats does
+        if not beats:
             return False, f"no {stage} worker heartbeat under namespace {keys.namespace!r}"
-        now = time.time()
-        fresh = []
-        async with redis.pipeline(transaction=False) as p:  # not MGET: heartbeats span slots on a cluster
-            for name in names:
-                p.get(name)
-            values = await p.execute()
+        fresh: list[Beat] = []
         sick: list[str] = []
-        for name, raw in zip(names, values, strict=True):
-            if raw is None:
+        for b in beats:
+            if (host is not None and b.info.get("host") != host) or b.age_s > max_age_s:
                 continue
-            info = json.loads(raw)
-            if host is not None and info.get("host") != host:
-                continue
-            if now - float(info.get("ts", 0)) <= max_age_s:
-                if info.get("unhealthy"):  # alive, but says it cannot do its work (a teacher's backend failing)
-                    sick.append(f"{_s(name).rsplit(':', 1)[-1]}: {info['unhealthy']}")
-                else:
-                    fresh.append(info)
+            if b.info.get("unhealthy"):  # alive, but says it cannot do its work (a teacher's backend failing)
+                sick.append(f"{b.consumer}: {b.info['unhealthy']}")
+            else:
+                fresh.append(b)
+        clocks = [n for b in beats if (n := skew_note(b.consumer, b.skew_s, str(b.info.get("host", ""))))]
+        clock = f"; {'; '.join(clocks)}" if clocks else ""
         if not fresh:
             where = f" from host {host!r}" if host is not None else ""
             if sick:
-                return False, f"{len(sick)} {stage} worker(s) alive{where} but unhealthy: {'; '.join(sick)}"
-            return False, f"{len(names)} {stage} heartbeat(s), none{where} fresher than {max_age_s:.0f} s"
+                return False, f"{len(sick)} {stage} worker(s) alive{where} but unhealthy: {'; '.join(sick)}{clock}"
+            return False, f"{len(beats)} {stage} heartbeat(s), none{where} fresher than {max_age_s:.0f} s{clock}"
+        slow = [f"{b.consumer}: {b.info['slow']}" for b in fresh if b.info.get("slow")]
         extra = f"; {len(sick)} unhealthy: {'; '.join(sick)}" if sick else ""
-        return True, f"{len(fresh)} {stage} worker(s) healthy{extra}"
+        extra += f"; {len(slow)} slow: {'; '.join(slow)}" if slow else ""
+        return True, f"{len(fresh)} {stage} worker(s) healthy{extra}{clock}"
     finally:
         await redis.aclose()

@@ -12,6 +12,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from pipeline.cli.attention import attention, counts, secs, size
 from pipeline.cli.commands.common import (
     add_command,
     add_redis_args,
@@ -42,25 +43,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="JSON (one object per refresh with --watch)")
     p.add_argument("--window", type=float, default=60.0, metavar="SECONDS",
                    help="throughput window for one-shot figures")
+    p.add_argument("--hold-warn", type=float, default=300.0, metavar="SECONDS",
+                   help="name a learner holding an unacknowledged batch written more than SECONDS ago")
     add_redis_args(p)
     p.set_defaults(func=main)
-
-
-def _bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _secs(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s < 120:
-        return f"{s:.1f} s"
-    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
 def _rate(r: float | None) -> str:
@@ -77,13 +63,13 @@ def stream_table(snap: Snapshot) -> Table:
         if s.name == "dlq":
             added = f"{s.window_rate:.2f}"  # never consumed: the window count is exact
         length = f"[red]{s.length} FULL[/red]" if s.full else str(s.length)
-        head = [s.name if s.exists else f"{s.name} (absent)", length, _bytes(s.memory_bytes), added]
+        head = [s.name if s.exists else f"{s.name} (absent)", length, size(s.memory_bytes), added]
         if not s.groups:
             t.add_row(*head, "-", "-", "-", "-", "-", "-")
         for i, g in enumerate(s.groups):
             lag = f"~{g.lag}" if g.lag_estimated else str(g.lag)
             row = [g.name if g.exists else f"{g.name} (absent)", lag, str(g.pending),
-                   _secs(g.oldest_pending_age_s), _rate(g.read_per_s), str(g.consumers)]
+                   secs(g.oldest_pending_age_s), _rate(g.read_per_s), str(g.consumers)]
             t.add_row(*(head if i == 0 else [""] * len(head)), *row)
     return t
 
@@ -97,59 +83,9 @@ def consumer_table(snap: Snapshot) -> Table | None:
         t.add_column(col, justify="right" if col in ("pending", "idle", "reclaim in") else "left")
     for stream, group, c in rows:
         beat = "-" if c.heartbeat is None else "live" if c.heartbeat else "[red]none[/red]"
-        reclaim = "-" if c.reclaim_in_s is None else "now" if c.reclaim_in_s <= 0 else _secs(c.reclaim_in_s)
-        t.add_row(stream, group, c.name, str(c.pending), _secs(c.idle_s), beat, reclaim)
+        reclaim = "-" if c.reclaim_in_s is None else "now" if c.reclaim_in_s <= 0 else secs(c.reclaim_in_s)
+        t.add_row(stream, group, c.name, str(c.pending), secs(c.idle_s), beat, reclaim)
     return t
-
-
-def _counts(d: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
-
-
-def attention(snap: Snapshot) -> list[str]:
-    """What an operator should look at, one line each (empty when all is well)."""
-    out: list[str] = []
-    if snap.namespace_note:
-        out.append(snap.namespace_note)
-    for s in snap.streams.values():
-        if s.full and ":" not in s.name:  # a sharded stream: its total row
-            out.append(f"{s.name} is full ({s.length} entries, cap {snap.max_backlog} per stream key): its producers "
-                       "wait (backpressure_wait, downstream_full, learner_stalled in their logs)")
-    out += _worker_notes(snap) + _orphan_notes(snap)
-    if snap.dead_letters:
-        out.append(f"{snap.dead_letters} dead letter(s): distillq dlq list")
-    return out
-
-
-def _worker_notes(snap: Snapshot) -> list[str]:
-    out: list[str] = []
-    for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
-        if w.problem:
-            out.append(f"{w.stage} {w.consumer}: {w.problem}")
-        if w.drops:
-            out.append(f"{w.stage} {w.consumer} dropped teacher payloads: {_counts(w.drops)} (the groups flow on "
-                       "without teacher signal; teacher_payload_dropped in its log)")
-        dropped = {k: v for k, v in w.outcomes.items() if k == "stale" or k.startswith("no_distill")}
-        if w.stage == "feeder" and dropped:
-            out.append(f"feeder {w.consumer} dropped groups: {_counts(dropped)} (group_not_batched in its log; "
-                       "distillq where GROUP_ID)")
-    return out
-
-
-def _orphan_notes(snap: Snapshot) -> list[str]:
-    out: list[str] = []
-    for s in snap.streams.values():
-        if s.key.startswith("("):
-            continue
-        for g in s.groups:
-            for c in g.consumer_list:
-                if c.heartbeat is False and c.pending:
-                    when = "now" if (c.reclaim_in_s or 0) <= 0 else f"in {_secs(c.reclaim_in_s)}"
-                    if c.reclaim_in_s is None:
-                        when = "once idle for DISTILLQ_CLAIM_IDLE_MS"
-                    out.append(f"{s.name}: consumer {c.name} holds {c.pending} entries and has no live heartbeat; "
-                               f"a live {g.name} worker reclaims them {when}")
-    return out
 
 
 def worker_table(snap: Snapshot) -> Table:
@@ -157,8 +93,8 @@ def worker_table(snap: Snapshot) -> Table:
     for col in ("stage", "consumer", "host", "pid", "handled", "heartbeat age", "outcomes", "teacher drops"):
         t.add_column(col, justify="right" if col in ("pid", "handled", "heartbeat age") else "left")
     for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
-        t.add_row(w.stage, w.consumer, w.host, str(w.pid), str(w.handled), _secs(w.age_s), _counts(w.outcomes),
-                  _counts(w.drops) if w.stage == "teacher" else "-")
+        t.add_row(w.stage, w.consumer, w.host, str(w.pid), str(w.handled), secs(w.age_s), counts(w.outcomes),
+                  counts(w.drops) if w.stage == "teacher" else "-")
     return t
 
 
@@ -173,11 +109,29 @@ def render(snap: Snapshot) -> Group:
     jobs = "?" if snap.rollout_jobs is None else str(snap.rollout_jobs)
     parts.append(f"dead letters: [{color}]{snap.dead_letters}[/{color}]   policy version: {version}   "
                  f"rollout jobs queued: {jobs}   backlog cap: {snap.max_backlog} entries per stream key   "
-                 "added/s: ≥ ids of the last window still queued; exact rates show with --watch")
+                 f"{memory_line(snap)}   added/s: ≥ ids of the last window still queued; exact rates show with "
+                 "--watch")
     notes = attention(snap)
     if notes:
         parts.append("[red]attention:[/red]\n" + "\n".join(f"  - {escape(n)}" for n in notes))
     return Group(*parts)
+
+
+def memory_line(snap: Snapshot) -> str:
+    m = snap.memory
+    if m is None:
+        return "Redis memory: ?"
+    used = f"Redis memory: {size(m.used_bytes)}"
+    if m.max_bytes:
+        used += f" of maxmemory {size(m.max_bytes)} ({m.used_bytes / m.max_bytes:.0%}, {m.policy})"
+    else:
+        used += " (no maxmemory)"
+    return used + (f", {m.oom_errors} write(s) refused for memory since Redis started" if m.oom_errors else "")
+
+
+def to_json(snap: Snapshot) -> dict[str, object]:
+    """The snapshot and its ``attention`` lines (``--json``)."""
+    return {**snap.to_json(), "attention": attention(snap)}
 
 
 def _streams(args: argparse.Namespace) -> list[str]:
@@ -195,11 +149,11 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
             live.start()
         while args.refreshes is None or n < args.refreshes:
             snap = with_rates(prev, await collect_all(redis, keys, _streams(args), window_s=args.window,
-                                                      jobs_redis=jobs))
+                                                      jobs_redis=jobs, hold_warn_s=args.hold_warn))
             if live is not None:
                 live.update(render(snap), refresh=True)
             elif args.json:
-                print(json.dumps(snap.to_json()), flush=True)
+                print(json.dumps(to_json(snap)), flush=True)
             else:
                 console.print(render(snap))
                 console.print()
@@ -214,9 +168,10 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
 
 async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console,
                jobs: aioredis.Redis | None = None) -> int:
-    snap = await collect_all(redis, keys, _streams(args), window_s=args.window, jobs_redis=jobs)
+    snap = await collect_all(redis, keys, _streams(args), window_s=args.window, jobs_redis=jobs,
+                             hold_warn_s=args.hold_warn)
     if args.json:
-        print(json.dumps(snap.to_json(), indent=2))
+        print(json.dumps(to_json(snap), indent=2))
     else:
         console.print(render(snap))
     return 0
