@@ -1,8 +1,10 @@
 """A vLLM-compatible teacher that can be switched off: ``up``, ``refuse`` (the port is closed: connection
-refused) and ``hang`` (connections are accepted, requests read, and never answered).
+refused), ``hang`` (connections are accepted, requests read, and never answered) and ``sentinel`` (answers
+as ``up``, with vLLM's -9999.0, its logprob of -inf, as the value of each row's last top-k entry).
 
 Answers are the synthetic teacher's (row r's top-k is ``tokens[r+1] + j`` with logprob ``-0.1 - j``) in
-vLLM's ``prompt_logprobs`` layout: entry 0 null, string token-id keys, the prompt token first. Runs in
+vLLM's ``prompt_logprobs`` layout: entry 0 null, string token-id keys, the prompt token first; ids modulo
+``vocab``. Runs in
 the test's event loop; the worker under test is a separate process.
 """
 
@@ -19,11 +21,13 @@ from tests.stubs.http import read_request
 
 MODEL = "stub-teacher"
 VOCAB = 32000
+#: What vLLM's server sends for a logprob of -inf.
+SENTINEL = -9999.0
 
 
 class SwitchableTeacher:
-    def __init__(self, *, cap: int = 20) -> None:
-        self.cap = cap
+    def __init__(self, *, cap: int = 20, vocab: int = VOCAB) -> None:
+        self.cap, self.vocab = cap, vocab
         self.mode = "up"
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -33,6 +37,7 @@ class SwitchableTeacher:
         self.hang_durations: list[float] = []  # accepted -> the client gave up, per hung request
         self.attempts: Counter[tuple[int, ...]] = Counter()  # completions requests per prompt, up or hang
         self.hung: Counter[tuple[int, ...]] = Counter()  # of which left unanswered
+        self.sentinel_answers = 0  # 200 answers carrying SENTINEL
 
     @property
     def url(self) -> str:
@@ -44,8 +49,9 @@ class SwitchableTeacher:
         return self.url
 
     async def set_mode(self, mode: str) -> None:
-        """Switch to ``up``, ``refuse`` or ``hang``; refusing closes the port and every open connection."""
-        assert mode in ("up", "refuse", "hang")
+        """Switch to ``up``, ``refuse``, ``hang`` or ``sentinel``; refusing closes the port and every open
+        connection."""
+        assert mode in ("up", "refuse", "hang", "sentinel")
         if mode == "refuse" and self._server is not None:
             self._server.close()
             for w in list(self._writers):
@@ -108,10 +114,13 @@ class SwitchableTeacher:
             msg = f"Requested prompt logprobs of {k}, which is greater than max allowed: {self.cap}"
             return 400, {"error": {"message": msg, "type": "BadRequestError", "code": 400}}
         tokens = [int(t) for t in req["prompt"]]
+        sentinel = self.mode == "sentinel"
         entries: list[dict[str, Any] | None] = [None]
         for p in range(1, len(tokens)):
-            entries.append({str((tokens[p] + j) % VOCAB): {"logprob": -0.1 - j, "rank": j + 1,
-                                                            "decoded_token": "x"} for j in range(k)})
+            entries.append({str((tokens[p] + j) % self.vocab): {
+                "logprob": SENTINEL if sentinel and j == k - 1 else -0.1 - j, "rank": j + 1, "decoded_token": "x"}
+                for j in range(k)})
         self.ok_times.append(time.time())
+        self.sentinel_answers += sentinel
         choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_logprobs": entries}
         return 200, {"id": "cmpl-stub", "object": "text_completion", "model": MODEL, "choices": [choice]}
