@@ -37,8 +37,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-
 from redis.exceptions import ResponseError
+
 from pipeline import metrics
 from pipeline.backoff import Backoff
 from pipeline.transport.connection import TRANSIENT, is_redis_full
