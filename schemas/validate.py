@@ -4,9 +4,19 @@ Two levels:
 
 * structural (always): dtypes, shapes, byte lengths, lengths consistent across fields, k within the
   bound, sequence counts, schema version. O(number of arrays), reading only array headers.
-* values (``Limits.check_values``, on by default): logprobs finite, ids non-negative and below the
-  vocabulary, masks 0/1, and the teacher position convention spot-checked on a spread of rows (the
+* values (``Limits.check_values``, on by default): logprobs finite, teacher logprobs in
+  ``(Limits.logprob_floor, Limits.logprob_tolerance]`` (``teacher_logprob_problem``), ids non-negative and
+  below the vocabulary, masks 0/1, and the teacher position convention spot-checked on a spread of rows (the
   sampled token's logprob agrees with its top-k entry, rows are sorted). Single-pass reductions.
+
+Teacher logprobs: a genuine one is at most 0 and, at temperature 1 (teachers score raw logits), a few tens
+to about -100 at the very least likely token of a 151,936-token vocabulary (float32 or bfloat16 logits of a
+trained model span well under +-100, so ``log_softmax`` stays well above -200; a top-k tail is far higher
+still). ``LOGPROB_FLOOR`` (-1000) leaves a margin of ten; at or below it is a sentinel, not a logprob:
+vLLM's server writes -9999.0 for a logprob of -inf. A value at or below the floor, above
+``logprob_tolerance`` (float rounding may leave a log-softmax a hair above 0), NaN or infinite raises
+``InvalidLogprobs``; the teacher stage drops such a group's payload as ``invalid_logprobs``, and every reader
+(feeder, learner) refuses it again, so no such value reaches a batch.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Final, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +74,10 @@ _Convention = tuple[str, npt.NDArray[np.generic], npt.NDArray[np.generic], npt.N
                     npt.NDArray[np.generic], npt.NDArray[np.generic] | None]
 
 
+#: Teacher logprobs at or below this are refused (see the module docstring for why -1000).
+LOGPROB_FLOOR: Final = -1000.0
+
+
 class DecodeError(WireFormatError, ValueError):
     """A message is not a valid distillq message. ``field`` names where it went wrong."""
 
@@ -71,6 +85,10 @@ class DecodeError(WireFormatError, ValueError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+class InvalidLogprobs(DecodeError):
+    """A teacher logprob that is NaN, infinite, above 0 or at/below ``Limits.logprob_floor``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +102,8 @@ class Limits:
     vocab_size: int | None = None
     check_values: bool = True
     check_rows: int = 32  # teacher rows spot-checked for the position convention
-    logprob_tolerance: float = 1e-3
+    logprob_tolerance: float = 1e-3  # how far above 0 a logprob may be (float rounding)
+    logprob_floor: float = LOGPROB_FLOOR  # a teacher logprob at or below it is a sentinel (vLLM's -9999)
 
 
 def _bad_array(a: Array, name: str, dtypes: tuple[str, ...], ndim: int) -> NoReturn:
@@ -127,6 +146,62 @@ def _finite(x: npt.NDArray[np.generic], name: str, field: str = "") -> None:
     if not ok:
         bad = int(np.flatnonzero(~np.isfinite(x.reshape(-1)))[0])
         raise DecodeError(name + field, f"non-finite value at flat index {bad}")
+
+
+@functools.lru_cache(maxsize=64)
+def _f16_bounds(floor: float, ceiling: float) -> tuple[int, int]:
+    """float16 bit patterns for ``teacher_logprob_problem``: the largest int16 view of a value ``<= ceiling``,
+    and the smallest uint16 view of a negative value ``<= floor``."""
+    top = np.float16(ceiling)
+    if float(top) > ceiling:
+        top = np.nextafter(top, np.float16(-np.inf))
+    low = np.float16(floor)
+    if float(low) > floor:
+        low = np.nextafter(low, np.float16(-np.inf))
+    return int(np.array(top, np.float16).view(np.int16)), int(np.array(low, np.float16).view(np.uint16))
+
+
+def teacher_logprob_problem(x: npt.NDArray[np.generic], limits: Limits) -> tuple[int, float] | None:
+    """``(flat index, value)`` of the first value of ``x`` (teacher logprobs, float32 or float16) that is NaN,
+    infinite, above ``limits.logprob_tolerance`` or at/below ``limits.logprob_floor``; None when all are valid
+    (``logprob_fault`` says what is wrong with the value).
+
+    Two reductions on the fast path. float32: min and max (NaN propagates, so it fails both comparisons).
+    float16 (whose arithmetic is slow): on the bits, a non-negative value above the ceiling (or +inf, +NaN) has
+    the larger int16 view, a negative value at or below the floor (or -inf, -NaN) the larger uint16 view.
+    """
+    if not x.size:
+        return None
+    floor, ceiling = limits.logprob_floor, limits.logprob_tolerance
+    if x.dtype == np.float16:
+        top, low = _f16_bounds(floor, ceiling)
+        if int(_MAX(x.view(np.int16), axis=None)) <= top and int(_MAX(x.view(np.uint16), axis=None)) < low:
+            return None
+    elif float(_MIN(x, axis=None)) > floor and float(_MAX(x, axis=None)) <= ceiling:
+        return None
+    flat = x.reshape(-1).astype(np.float64)
+    i = int(np.flatnonzero(~((flat > floor) & (flat <= ceiling)))[0])
+    return i, float(flat[i])
+
+
+def logprob_fault(v: float, limits: Limits) -> str:
+    """What is wrong with a logprob ``teacher_logprob_problem`` found."""
+    if not math.isfinite(v):
+        return "not finite"
+    if v > limits.logprob_tolerance:
+        return "above 0"
+    return f"at or below the floor {limits.logprob_floor:g} (a sentinel such as vLLM's -9999, not a logprob)"
+
+
+def _logprobs(x: npt.NDArray[np.generic], name: str, field: str, limits: Limits) -> None:
+    """Raise ``InvalidLogprobs`` naming ``name + field`` unless ``teacher_logprob_problem`` finds none."""
+    bad = teacher_logprob_problem(x, limits)
+    if bad is None:
+        return
+    i, v = bad
+    if not math.isfinite(v):
+        raise InvalidLogprobs(name + field, f"non-finite value at flat index {i}")
+    raise InvalidLogprobs(name + field, f"logprob {v:g} at flat index {i} {logprob_fault(v, limits)}")
 
 
 def _ids(x: npt.NDArray[np.generic], name: str, field: str, limits: Limits) -> None:
@@ -225,8 +300,8 @@ def _teacher(t: TeacherPayload, mask: npt.NDArray[np.generic], name: str, limits
     lps = np.frombuffer(t.topk_logprobs.data, _DTYPES[t.topk_logprobs.dtype])
     sampled = np.frombuffer(t.sampled_logprobs.data, _F32_DTYPE)
     _ids(ids, name, ".topk_ids", limits)
-    _finite(lps, name, ".topk_logprobs")
-    _finite(sampled, name, ".sampled_logprobs")
+    _logprobs(lps, name, ".topk_logprobs", limits)
+    _logprobs(sampled, name, ".sampled_logprobs", limits)
     return name, ids.reshape(rows), lps.reshape(rows), sampled
 
 

@@ -17,8 +17,11 @@ Rules (the reference system's, made explicit):
   still fails, or comes back misaligned, the whole group is DROPPED with the reason and no payload, and
   is still returned.
 
-Each teacher answer is checked once. Per sequence, as it arrives (``result_problem(values=False)``):
-the shapes and that every top-k row is sorted (all rows) -> ``misaligned: ... (sequence i)``. Per group,
+Each teacher answer is checked once. Per sequence, as it arrives (``result_problem(values=False)``, the
+one check every backend's answers go through): the shapes and that every top-k row is sorted (all rows) ->
+``misaligned: ... (sequence i)``; every logprob finite, at most 0 and above the floor (vLLM's -9999.0 for
+-inf is a sentinel, not a logprob) -> ``invalid_logprobs: <array> row r (token r+1) is v: <why> (sequence
+i)``. Either drops the whole group's payload, is never retried, and is counted by its category. Per group,
 on the encoded payload (``schemas.validate.validate_teacher_part``, what the feeder checks): payload
 count and k, shapes, finite logprobs, ids ``>= 0`` (and below ``limits.vocab_size`` when set) and the
 position-convention spot check -> ``misaligned: scored.teacher[i].<field>: <reason>``. The rollout half
@@ -39,10 +42,12 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from pipeline.backoff import BackoffPolicy
 from pipeline.teacher.base import (
+    ANSWER_PROBLEMS,
+    INVALID_LOGPROBS,
     K_OVER_CAP,
     MISALIGNED,
-from pipeline.backoff import BackoffPolicy
     ScoreFailure,
     ScoreOutcome,
     ScoreRequest,
@@ -54,9 +59,11 @@ from pipeline.backoff import BackoffPolicy
 )
 from schemas.build import make_teacher, no_teacher_reason, trained_rows
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
-from schemas.validate import DecodeError, Limits, validate_teacher_part
+from schemas.validate import DecodeError, InvalidLogprobs, Limits, validate_teacher_part
 
 log = structlog.get_logger(__name__)
+#: Backend calls the ``slow`` figure looks back over.
+SLOW_WINDOW = 10
 
 SKIP_REASON = "skip_teacher_top_k"
 DISCARD_REASON = "discarded"
@@ -105,9 +112,13 @@ class ScoringStats:
     rows_scored: int = 0  # teacher rows requested and shipped (``tokens_scored - rows_scored``: context only)
     teacher_calls: int = 0
     retries: int = 0
-    clamped_groups: int = 0
-    failing_calls: int = 0  # backend calls in a row that failed as a whole (0 after any call that answered)
+    clamped_groups: int = 0  # groups whose k was clamped to the teacher's cap (``k_over_cap="clamp"``)
+    failing_calls: int = 0  # backend calls in a row that failed as a whole, not by a timeout (0 after any other)
     last_backend_error: str | None = None  # the latest such failure
+    # Per backend call of the last SLOW_WINDOW: whether a request of it timed out (the backend took it and did
+    # not answer in time: slow, not unreachable), and the latest such timeout.
+    timed_out_calls: deque[bool] = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW))
+    timeout_s: float | None = None
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     latency_hooks: list[Callable[[float], None]] = field(default_factory=list)
 
@@ -170,7 +181,7 @@ def _request(seq: Sequence, k: int, all_rows: bool) -> ScoreRequest:
 
 
 def _failure_reason(f: ScoreFailure) -> str:
-    if f.reason.startswith((MISALIGNED, K_OVER_CAP)):
+    if f.reason.startswith(ANSWER_PROBLEMS):
         return f.reason
     return f"teacher_error: {f.reason}"
 
@@ -212,6 +223,7 @@ class Scorer:
             if self.config.k_over_cap == "drop":
                 return k, f"{K_OVER_CAP}: requested k={k} above the teacher cap {cap}"
             self.stats.clamped_groups += 1
+            log.info("teacher_k_clamped", group_id=group.group_id, asked_k=k, used_k=cap)
             k = cap
         return k, None
 
@@ -263,8 +275,9 @@ class Scorer:
             )
             try:  # what the feeder will check of the teacher half: a bad payload is dropped, not emitted
                 validate_teacher_part(scored, self.limits)
-            except DecodeError as e:
-                outcome = (DistillStatus.DROPPED, f"{MISALIGNED}: {e}")
+            except DecodeError as e:  # InvalidLogprobs here: a value float16 rounded onto the floor
+                category = INVALID_LOGPROBS if isinstance(e, InvalidLogprobs) else MISALIGNED
+                outcome = (DistillStatus.DROPPED, f"{category}: {e}")
             else:
                 self.stats.count(DistillStatus.OK, None)
                 self.stats.sequences_scored += len(payload)
@@ -297,7 +310,7 @@ class Scorer:
                 if it.group in done:
                     continue
                 if isinstance(out, ScoreResult):
-                    problem = result_problem(it.req, out, values=False)
+                    problem = result_problem(it.req, out, values=False, limits=self.limits)
                     if problem is None:
                         results[(it.group, it.seq)] = out
                         continue
@@ -314,14 +327,22 @@ class Scorer:
         return results
 
     def _backend_health(self, outs: list[ScoreOutcome]) -> None:
-        """Count calls in a row whose every request failed for a reason other than the answer's content (the
-        backend down or erroring); log ``teacher_backend_failing`` when such a run starts and
-        ``teacher_backend_recovered`` when it ends."""
-        failed = [o for o in outs if isinstance(o, ScoreFailure) and not o.reason.startswith((MISALIGNED, K_OVER_CAP))]
+        """Count calls in a row whose every request failed for a reason other than the answer's content or a
+        timeout (the backend down or erroring); log ``teacher_backend_failing`` when such a run starts and
+        ``teacher_backend_recovered`` when it ends. A call with a timed-out request counts as slow
+        (``timed_out_calls``; ``teacher_backend_slow`` when the window had none before): the backend took it."""
+        failed = [o for o in outs if isinstance(o, ScoreFailure) and not o.reason.startswith(ANSWER_PROBLEMS)]
+        timed = [f.timeout_s for f in failed if f.timeout_s is not None]
         st = self.stats
-        if outs and len(failed) == len(outs):
+        if timed and not any(st.timed_out_calls):
+            log.warning("teacher_backend_slow", timeout_s=timed[0], timed_out=len(timed), requests=len(outs),
+                        hint="the teacher takes the requests but answers none in time: raise --timeout or add capacity")
+        st.timed_out_calls.append(bool(timed))
+        if timed:
+            st.timeout_s = timed[0]
+        if outs and len(failed) == len(outs) and len(timed) < len(failed):
             st.failing_calls += 1
-            st.last_backend_error = failed[0].reason[:300]
+            st.last_backend_error = next(f for f in failed if f.timeout_s is None).reason[:300]
             if st.failing_calls == 1:
                 log.warning("teacher_backend_failing", error=st.last_backend_error,
                             hint="groups lose their teacher payload (teacher_error) until it answers again")

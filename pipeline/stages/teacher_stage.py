@@ -22,13 +22,19 @@ class TeacherStage:
         scorer.stats.latency_hooks.append(metrics.TEACHER_LATENCY.observe)
 
     def report(self) -> dict[str, object]:
-        """Figures for the heartbeat: groups by status, drops by reason, tokens scored, and ``unhealthy`` (read by
-        ``--check`` and ``distillq stats``) while the backend's latest calls all failed."""
+        """Figures for the heartbeat: groups by status, drops by reason (``invalid_logprobs``, ``teacher_error``,
+        ...), tokens scored, ``clamped_k`` (groups whose k was clamped to the teacher's cap), ``unhealthy`` (read
+        by ``--check`` and ``distillq stats``) while the backend's latest calls all failed for a reason other than
+        a timeout (connection refused, an error status, an engine gone), and ``slow`` while any of the last
+        ``SLOW_WINDOW`` calls timed out (the backend took the request but answered too late; not unhealthy)."""
         st = self.scorer.stats
         unhealthy = (f"teacher backend failing: last {st.failing_calls} call(s) failed, latest: "
                      f"{st.last_backend_error}") if st.failing_calls else None
+        slow_calls = sum(st.timed_out_calls)
+        slow = (f"teacher slow: {slow_calls} of the last {len(st.timed_out_calls)} calls timed out after "
+                f"{st.timeout_s:g} s") if slow_calls and st.timeout_s is not None else None
         return {"status": dict(st.groups), "drops": dict(st.reasons), "tokens_scored": st.tokens_scored,
-                "unhealthy": unhealthy}
+                "clamped_k": st.clamped_groups, "unhealthy": unhealthy, "slow": slow}
 
     async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
         t0 = time.perf_counter()

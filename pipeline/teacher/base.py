@@ -5,6 +5,11 @@ tokens, row ``r`` is the teacher distribution of token ``r + 1`` given ``tokens[
 names the rows it wants (``ScoreRequest.rows``, the rows the learner trains on); a result holds those
 rows only, in that order, so a backend never needs ``[L, V]`` for prompt, earlier-turn or tool-output
 positions.
+
+Every answer goes through ``result_problem`` (the scoring stage for each sequence, the worker's start-up
+self-test): shapes, then the values, then the row order. A NaN, an infinity, a logprob above 0 or at/below the
+floor (vLLM's -9999.0 for -inf; ``schemas.validate.LOGPROB_FLOOR``) is ``invalid_logprobs: ...`` naming the
+array, the row, the token it predicts and the value.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ import numpy as np
 import numpy.typing as npt
 
 from pipeline.errors import ConfigurationError
+from schemas.validate import Limits, logprob_fault, teacher_logprob_problem
 
 #: Failure reasons that mean "the answer is wrong", not "the teacher is down".
 MISALIGNED = "misaligned"
 K_OVER_CAP = "k_over_cap"
+INVALID_LOGPROBS = "invalid_logprobs"
+#: Every such reason's prefix: never retried, never counted against the backend's health.
+ANSWER_PROBLEMS = (MISALIGNED, K_OVER_CAP, INVALID_LOGPROBS)
+_LIMITS = Limits()
 
 
 class TeacherConfigError(ConfigurationError, RuntimeError):
@@ -71,10 +81,12 @@ class ScoreResult:
 
 @dataclass(frozen=True, slots=True)
 class ScoreFailure:
-    """A request that produced no result. ``retryable``: timeouts, 5xx, lost connections."""
+    """A request that produced no result. ``retryable``: timeouts, 5xx, lost connections. ``timeout_s``: set
+    when the backend took the request but gave no answer within this many seconds (slow, not unreachable)."""
 
     reason: str
     retryable: bool
+    timeout_s: float | None = None
 
 
 ScoreOutcome = ScoreResult | ScoreFailure
@@ -129,14 +141,16 @@ def rows_problem(req: ScoreRequest) -> str | None:
     return None
 
 
-def result_problem(req: ScoreRequest, res: ScoreResult, *, values: bool = True) -> str | None:
-    """Why ``res`` cannot be the answer to ``req`` (a ``misaligned: ...`` reason), or ``None``.
+def result_problem(
+    req: ScoreRequest, res: ScoreResult, *, values: bool = True, limits: Limits = _LIMITS
+) -> str | None:
+    """Why ``res`` cannot be the answer to ``req`` (a ``misaligned: ...`` or ``invalid_logprobs: ...``
+    reason), or ``None``.
 
-    Always: the shapes, and every top-k row sorted descending (all rows, not a sample; a NaN fails
-    this and is reported as non-finite logprobs). With ``values`` (the default) also: logprobs finite
-    and ids non-negative. ``Scorer`` passes ``values=False`` because it validates the encoded payload
-    with ``schemas.validate.validate_teacher_part`` next, which checks those (and ids against the
-    vocabulary) on the bytes that go on the wire; checking them here too would read them twice.
+    Always: the shapes, every logprob valid (``logprob_problem``), and every top-k row sorted descending (all
+    rows, not a sample). With ``values`` (the default) also: ids non-negative. ``Scorer`` passes
+    ``values=False`` because it validates the encoded payload with ``schemas.validate.validate_teacher_part``
+    next, which checks the ids (against the vocabulary too) on the bytes that go on the wire.
     """
     rows, k = req.n_rows, req.k
     ids, lps, sampled = res.topk_ids, res.topk_logprobs, res.sampled_logprobs
@@ -144,15 +158,29 @@ def result_problem(req: ScoreRequest, res: ScoreResult, *, values: bool = True) 
         return f"{MISALIGNED}: top-k shapes {ids.shape}/{lps.shape}, expected {(rows, k)}"
     if sampled.shape != (rows,):
         return f"{MISALIGNED}: sampled shape {sampled.shape}, expected {(rows,)}"
-    if values:
-        if not (np.isfinite(lps).all() and np.isfinite(sampled).all()):
-            return f"{MISALIGNED}: non-finite logprobs"
-        if ids.size and int(ids.min()) < 0:
-            return f"{MISALIGNED}: negative token id"
+    bad = logprob_problem(req, res, limits)
+    if bad is not None:
+        return bad
+    if values and ids.size and int(ids.min()) < 0:
+        return f"{MISALIGNED}: negative token id"
     if not rows_sorted(lps):
-        if not np.isfinite(lps).all():  # only reachable with values=False
-            return f"{MISALIGNED}: non-finite logprobs"
         return f"{MISALIGNED}: top-k rows not sorted descending"
+    return None
+
+
+def logprob_problem(req: ScoreRequest, res: ScoreResult, limits: Limits = _LIMITS) -> str | None:
+    """``invalid_logprobs: <array> row <r>[, entry <j>] (token <r + 1>) is <value>: <why>`` for the first
+    logprob of ``res`` (shapes already checked against ``req``) that is NaN, infinite, above 0 or at/below
+    ``limits.logprob_floor``; None when every one is valid."""
+    for field, a in (("sampled_logprobs", res.sampled_logprobs), ("topk_logprobs", res.topk_logprobs)):
+        bad = teacher_logprob_problem(a, limits)
+        if bad is None:
+            continue
+        i, v = bad
+        j, entry = divmod(i, a.shape[1]) if a.ndim == 2 else (i, None)
+        row = int(req.row_index()[j])
+        at = f"row {row}" if entry is None else f"row {row}, entry {entry}"
+        return f"{INVALID_LOGPROBS}: {field} {at} (token {row + 1}) is {v:g}: {logprob_fault(v, limits)}"
     return None
 
 

@@ -124,11 +124,16 @@ def classify_status(status: int, body: str) -> ScoreFailure:
     return ScoreFailure(f"http {status}: {text}", retryable=status >= 500 or status in (408, 429))
 
 
-def classify_exception(exc: Exception) -> ScoreFailure:
-    """Failure for a transport exception: timeouts and connection errors are retryable."""
+def classify_exception(exc: Exception, timeout_s: float | None = None) -> ScoreFailure:
+    """Failure for a transport exception: timeouts and connection errors are retryable. A timeout after the
+    server took the request (read, write, or waiting for one of our busy connections) carries ``timeout_s``:
+    the teacher is slow, not unreachable; a connect timeout is a connection error."""
     name = type(exc).__name__
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ScoreFailure(f"connection error ({name}: {exc})", retryable=True)
     if isinstance(exc, httpx.TimeoutException):
-        return ScoreFailure(f"timeout ({name})", retryable=True)
+        after = "" if timeout_s is None else f" after {timeout_s:g} s"
+        return ScoreFailure(f"timeout{after} ({name})", retryable=True, timeout_s=timeout_s)
     if isinstance(exc, httpx.TransportError):
         return ScoreFailure(f"connection error ({name}: {exc})", retryable=True)
     return ScoreFailure(f"{name}: {exc}", retryable=False)
@@ -233,7 +238,7 @@ class HTTPTeacher:
                 resp = await self._http().post(server.url + self.endpoint, json=self.body(req))
             except httpx.HTTPError as e:
                 server.failures += 1
-                return classify_exception(e)
+                return classify_exception(e, self.config.timeout_s)
             if resp.status_code != 200:
                 server.failures += 1
                 return classify_status(resp.status_code, resp.text)

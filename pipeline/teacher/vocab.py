@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import ConfigurationError
-from pipeline.teacher.base import ScoreFailure, ScoreRequest, TeacherBackend, result_problem
+from pipeline.teacher.base import ScoreFailure, ScoreRequest, TeacherBackend, TeacherConfigError, result_problem
 
 #: The fixed sequence the self-test scores (ids below 64 exist in every real vocabulary).
 SELF_TEST_TOKENS = np.array([(7 * i + 3) % 64 for i in range(24)], np.int32)
@@ -45,15 +45,20 @@ def check_same_vocab(teacher_tokenizer_path: str | Path, student_tokenizer_path:
 async def self_test_checksum(backend: TeacherBackend, *, k: int = 5, decimals: int = 2) -> str:
     """Score a fixed sequence and return a 12-hex-digit checksum of its top-k ids and rounded logprobs.
 
-    Replicas of one teacher give the same checksum; log it at start so disagreeing ones show up.
+    Replicas of one teacher give the same checksum; log it at start so disagreeing ones show up. A wrong
+    answer (misaligned, or a logprob that is NaN, infinite, above 0 or a sentinel such as vLLM's -9999) raises
+    ``TeacherConfigError``: the worker refuses to start (exit 2) instead of dropping every group. A failure a
+    retry may cure (a timeout, a 5xx) raises ``RuntimeError``.
     """
     req = ScoreRequest(SELF_TEST_TOKENS, max(1, min(k, backend.max_k)))
     (out,) = await backend.score([req])
     if isinstance(out, ScoreFailure):
-        raise RuntimeError(f"teacher self-test failed: {out.reason}")
+        if out.retryable:
+            raise RuntimeError(f"teacher self-test failed: {out.reason}")
+        raise TeacherConfigError(f"teacher self-test failed: {out.reason}")
     problem = result_problem(req, out)
     if problem is not None:
-        raise RuntimeError(f"teacher self-test failed: {problem}")
+        raise TeacherConfigError(f"teacher self-test answer refused: {problem}")
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(out.topk_ids, "<i4").tobytes())
     for a in (out.topk_logprobs, out.sampled_logprobs):

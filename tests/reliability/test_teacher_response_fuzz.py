@@ -1,7 +1,8 @@
 """Bad input from the teacher: 1,000 malformed HTTP responses per backend (vLLM ``/v1/completions``,
 SGLang ``/generate``), built by mutating valid ones, fed through the real ``HTTPTeacher`` request path
 (``httpx.MockTransport``) and the ``Scorer`` the teacher stage uses. A malformed answer must end as a
-group dropped with a ``misaligned`` reason, or as a payload the feeder accepts: never as a retryable
+group dropped with a ``misaligned`` reason (or ``invalid_logprobs`` for a value that cannot be a logprob:
+NaN, infinite, above 0, a sentinel), or as a payload the feeder accepts: never as a retryable
 "teacher error" (the scorer would ask the same broken server again) nor as a status-ok group that the next
 stage dead-letters."""
 
@@ -152,8 +153,9 @@ async def fuzz(make: Callable[[HTTPTeacherConfig, httpx.AsyncClient], HTTPTeache
             (scored,) = await scorer.score_groups([group])
         if scored.status is DistillStatus.DROPPED:
             reason = scored.reason or ""
-            outcomes["dropped_misaligned" if reason.startswith("misaligned") else "dropped_other"] += 1
-            if not reason.startswith("misaligned"):  # a 200 answer that makes no sense is misaligned
+            kind_of = next((f"dropped_{c}" for c in ("misaligned", "invalid_logprobs") if reason.startswith(c)), None)
+            outcomes[kind_of or "dropped_other"] += 1
+            if kind_of is None:  # a 200 answer that makes no sense is misaligned (or holds no valid logprob)
                 problems.append(f"{kind}: dropped as {reason[:150]}")
             continue
         try:

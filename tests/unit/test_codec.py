@@ -586,7 +586,7 @@ def test_float16_teacher_logprobs_within_documented_error() -> None:
     for q in g.sequences:
         ids = 1000 + np.stack([rng.choice(1000, 8, replace=False) for _ in range(q.length - 1)]).astype(np.int32)
         lps = np.sort(-rng.uniform(0.001, 40.0, ids.shape), axis=1)[:, ::-1].astype(np.float32)
-        lps[0, -1] = -70000.0  # below float16 range: clipped to FLOAT16_MIN_LOGPROB on encode
+        lps[0, -1] = -999.0  # near the floor, where float16's steps are widest
         exact.append(lps)
         teachers.append(make_teacher(ids, lps, np.minimum(lps[:, -1], -45.0), fp16=True))
     s = ScoredGroup(group=g, status=DistillStatus.OK, teacher=teachers, k=8)
@@ -595,10 +595,20 @@ def test_float16_teacher_logprobs_within_documented_error() -> None:
     for t, lps in zip(back.teacher, exact, strict=True):
         got = t.topk_logprobs.numpy()
         assert got.dtype == np.float16
-        want = np.maximum(lps, FLOAT16_MIN_LOGPROB)
-        err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-        assert (err <= FLOAT16_MAX_RELATIVE_ERROR * np.abs(want)).all()
-        assert got[0, -1] == FLOAT16_MIN_LOGPROB
+        err = np.abs(got.astype(np.float64) - lps.astype(np.float64))
+        assert (err <= FLOAT16_MAX_RELATIVE_ERROR * np.abs(lps)).all()
+    # Below float16's range: clipped to FLOAT16_MIN_LOGPROB on encode, and that is below the floor of a logprob
+    # (a sentinel, never a real one): readers refuse it.
+    lps = exact[0].copy()
+    lps[1, -1] = -70000.0
+    clipped = replace(s, teacher=[make_teacher(teachers[0].topk_ids.numpy(), lps, np.minimum(lps[:, -1], -45.0),
+                                               fp16=True), *teachers[1:]])
+    assert teachers[0].topk_logprobs.numpy().dtype == np.float16
+    raw = decode(encode(clipped), Limits(check_values=False), expect=ScoredGroup)
+    assert raw.teacher is not None and raw.teacher[0].topk_logprobs.numpy()[1, -1] == FLOAT16_MIN_LOGPROB
+    with pytest.raises(DecodeError, match=r"scored.teacher\[0\].topk_logprobs: logprob -65504 at flat index 15 at "
+                                          "or below the floor -1000"):
+        decode(encode(clipped), expect=ScoredGroup)
 
 
 # --- the fast structural path agrees with validate, edit by edit --------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -182,17 +181,17 @@ async def test_skip_and_discard_never_reach_teacher() -> None:
          "misaligned: top-k shapes"),
         (lambda r: ScoreResult(good(r).topk_ids, with_value(good(r).topk_logprobs, 3, 2, np.nan),
                                good(r).sampled_logprobs),
-         "misaligned: non-finite logprobs"),
+         "invalid_logprobs: topk_logprobs row 4, entry 2 (token 5) is nan: not finite"),
         (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs[:, ::-1].copy(), good(r).sampled_logprobs),
          "misaligned: top-k rows not sorted"),
         (lambda r: ScoreFailure("misaligned: 3 entries for 9 tokens", retryable=False), "misaligned: 3 entries"),
-        # Values the per-sequence check leaves to the group check of the encoded payload (read once):
-        # the reason names the sequence by its field, scored.teacher[1].
         (lambda r: ScoreResult(good(r).topk_ids, good(r).topk_logprobs, np.full(r.n_rows, np.nan, np.float32)),
-         "misaligned: scored.teacher[1].sampled_logprobs: non-finite"),
+         "invalid_logprobs: sampled_logprobs row 1 (token 2) is nan: not finite"),
         (lambda r: ScoreResult(good(r).topk_ids, with_value(good(r).topk_logprobs, 5, 3, -np.inf),
                                good(r).sampled_logprobs),
-         "misaligned: scored.teacher[1].topk_logprobs: non-finite value at flat index 23"),
+         "invalid_logprobs: topk_logprobs row 6, entry 3 (token 7) is -inf: not finite"),
+        # Values the per-sequence check leaves to the group check of the encoded payload (read once):
+        # the reason names the sequence by its field, scored.teacher[1].
         (lambda r: ScoreResult(with_value(good(r).topk_ids, 4, 1, -7), good(r).topk_logprobs, good(r).sampled_logprobs),
          "misaligned: scored.teacher[1].topk_ids: negative token id -7"),
     ],
@@ -253,20 +252,25 @@ async def test_ids_outside_the_configured_vocabulary_drop_the_group() -> None:
     assert out[0].status is DistillStatus.OK  # no vocabulary configured: only ids >= 0 are required
 
 
-async def test_float16_overflow_is_caught_on_the_encoded_payload() -> None:
-    """Sorted, finite float32 logprobs that overflow float16: only the bytes on the wire show it."""
+async def test_float16_rounding_onto_the_floor_is_caught_on_the_encoded_payload() -> None:
+    """Sorted float32 logprobs just above the floor that float16 rounds onto it: only the bytes on the wire show
+    it (a float16 overflow needs a value beyond the floor or above 0, which the per-sequence check refuses)."""
 
-    def huge(r: ScoreRequest) -> ScoreResult:
+    def low(r: ScoreRequest) -> ScoreResult:
         res = good(r)
         lps = res.topk_logprobs.copy()
-        lps[2] = np.array([9e5, 8e5, 7e5, 6e5], np.float32)
-        return ScoreResult(res.topk_ids, lps, res.sampled_logprobs)
+        lps[2] = np.array([-999.6, -999.7, -999.8, -999.9], np.float32)  # float16: -999.5, -999.5, -1000, -1000
+        sampled = res.sampled_logprobs.copy()
+        sampled[2] = lps[2, 0]  # the sampled token is each row's first entry
+        return ScoreResult(res.topk_ids, lps, sampled)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the float16 cast warns about the overflow
-        out, _ = await run([group(100, [9, 9])], FakeTeacher(rules={100: huge}), default_k=4, fp16_topk=True)
+    out, scorer = await run([group(100, [9, 9])], FakeTeacher(rules={100: low}), default_k=4, fp16_topk=True)
     assert out[0].status is DistillStatus.DROPPED
-    assert out[0].reason == "misaligned: scored.teacher[0].topk_logprobs: non-finite value at flat index 8"
+    assert out[0].reason == ("invalid_logprobs: scored.teacher[0].topk_logprobs: logprob -1000 at flat index 10 at "
+                             "or below the floor -1000 (a sentinel such as vLLM's -9999, not a logprob)")
+    assert scorer.stats.reasons == {"invalid_logprobs": 1}
+    out, _ = await run([group(100, [9, 9])], FakeTeacher(rules={100: low}), default_k=4)
+    assert out[0].status is DistillStatus.OK  # float32 on the wire keeps them above the floor
 
 
 async def test_each_check_runs_once_and_the_rollout_is_not_revalidated(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,8 +152,9 @@ def test_convention_rules() -> None:
     lps[-1] = lps[-1][::-1]  # the last row is always spot-checked
     rejects(with_array(s, 3, "topk_logprobs", lps), "scored.teacher[3].topk_logprobs", "row 58 is not sorted")
     lps = arr(s, 0, "topk_logprobs")
-    lps[0] += 1.0 - lps[0, 0]  # sorted, but starts above 0
-    rejects(with_array(s, 0, "topk_logprobs", lps), "scored.teacher[0].topk_logprobs", "logprob above 0 in row 0")
+    lps[0] += 1.0 - lps[0, 0]  # sorted, but starts above 0: every value is checked, not the spot rows only
+    rejects(with_array(s, 0, "topk_logprobs", lps), "scored.teacher[0].topk_logprobs",
+            "logprob 1 at flat index 0 above 0")
     sampled = arr(s, 3, "sampled_logprobs")
     sampled[0] = 0.0  # the token is not in row 0's top k (ids are random), yet sampled above its last entry
     rejects(with_array(s, 3, "sampled_logprobs", sampled), "scored.teacher[3].sampled_logprobs", "row 0 disagrees")
@@ -370,23 +371,25 @@ def test_result_problem_values_flag() -> None:
     lps = np.tile(np.array([-0.1, -1.0, -2.0], np.float32), (5, 1))
     sampled = np.full(5, -0.1, np.float32)
     assert result_problem(req, ScoreResult(ids, lps, sampled)) is None
-    bad_sampled = sampled.copy()
-    bad_sampled[2] = np.nan
     neg = ids.copy()
     neg[3, 1] = -1
+    assert result_problem(req, ScoreResult(neg, lps, sampled)) == "misaligned: negative token id"  # the full check
+    assert result_problem(req, ScoreResult(neg, lps, sampled), values=False) is None  # left to validate_teacher_part
+    bad_sampled = sampled.copy()
+    bad_sampled[2] = np.nan
     inf = lps.copy()
     inf[1, 2] = -np.inf
-    for res, reason in ((ScoreResult(ids, lps, bad_sampled), "non-finite logprobs"),
-                        (ScoreResult(neg, lps, sampled), "negative token id"),
-                        (ScoreResult(ids, inf, sampled), "non-finite logprobs")):  # fmt: skip
-        assert result_problem(req, res) == f"misaligned: {reason}"  # the full check (self test, other callers)
-        assert result_problem(req, res, values=False) is None  # left to validate_teacher_part
     nan = lps.copy()
     nan[4, 1] = np.nan
     unsorted = lps.copy()
     unsorted[4] = unsorted[4][::-1]
-    for values in (True, False):
-        assert result_problem(req, ScoreResult(ids, nan, sampled), values=values) == "misaligned: non-finite logprobs"
+    for values in (True, False):  # logprob values are always checked, whatever ``values`` says
+        got = result_problem(req, ScoreResult(ids, lps, bad_sampled), values=values)
+        assert got == "invalid_logprobs: sampled_logprobs row 2 (token 3) is nan: not finite"
+        got = result_problem(req, ScoreResult(ids, inf, sampled), values=values)
+        assert got == "invalid_logprobs: topk_logprobs row 1, entry 2 (token 2) is -inf: not finite"
+        got = result_problem(req, ScoreResult(ids, nan, sampled), values=values)
+        assert got == "invalid_logprobs: topk_logprobs row 4, entry 1 (token 5) is nan: not finite"
         got = result_problem(req, ScoreResult(ids, unsorted, sampled), values=values)
         assert got == "misaligned: top-k rows not sorted descending"
         got = result_problem(req, ScoreResult(ids[:, :2], lps, sampled), values=values)
