@@ -27,7 +27,6 @@ class RedisSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "distillq"
-    jobs_redis_url: str | None = None  # rollout job queue (arq); default redis_url; arq needs a non-cluster Redis
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None

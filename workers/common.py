@@ -96,7 +96,8 @@ STAGE_DESCRIPTIONS = {
                "the scored stream. Runs until SIGTERM or SIGINT (graceful), or with --burst until drained.",
     "feeder": "Trainer feeder: reads scored groups (consumer group feeder), computes per-token advantages, and "
               "writes token-budgeted batches to the batches stream for the learner. Run one per pipeline.",
-    "rollout": "Rollout worker: takes prompt jobs from the queue (distillq enqueue), samples --group-size "
-               "completions per prompt from the student, rewards them and writes each group to the rollouts "
-               "stream.",
+    "rollout": "Rollout worker: reads prompts from the prompts stream (consumer group rollout; distillq enqueue "
+               "writes them), samples --group-size completions per prompt from the student, rewards them, writes "
+               "each group to the rollouts stream and only then acknowledges the prompt. Runs until SIGTERM or "
+               "SIGINT (graceful), or with --burst until drained.",
 }

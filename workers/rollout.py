@@ -1,6 +1,7 @@
-"""Rollout worker: arq jobs -> sampled, rewarded groups on ``rollouts``
+"""Rollout worker: prompts (``distillq enqueue``) -> sampled, rewarded groups on ``rollouts``
 (``distillq worker rollout`` / ``python -m workers.rollout``): flags, the student backend they name, and the
-process entry point. The stage itself is ``pipeline.stages.rollout_stage``."""
+process entry point. The stage logic is ``pipeline.stages.rollout_stage``, the worker
+``pipeline.stages.rollout_worker``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 
 import redis.asyncio as aioredis
 
-from pipeline.config import redis_settings_from_args
 from pipeline.flags import add_flags, build, from_args
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.students.base import GenParams, StudentBackend
@@ -18,12 +18,11 @@ from pipeline.stages.rollout_stage import (  # RESAMPLES, sample_attributed, kee
     RESAMPLES,
     RolloutConfig,
     RolloutStage,
-    RolloutWorker,
     keep_synced,
     published_version,
     sample_attributed,
 )
-from pipeline.transport.jobs import arq_settings
+from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.keys import Keys
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import RolloutSettings
@@ -69,17 +68,12 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
                         params=build(GenParams, from_args(RolloutSettings, args)))
     stage = RolloutStage(make_backend(args), get_reward(args.reward), cfg, published_version(redis, keys))
     shards, _ = await shard_plan(args, redis, keys, stop)
-    worker = RolloutWorker(redis, keys, stage, redis_settings_from_args(args), stream_settings(args),
-                           consumer_name=args.consumer_name, shards=shards, max_jobs=args.max_jobs, burst=args.burst)
+    worker = RolloutWorker(redis, keys, stage, stream_settings(args), consumer_name=args.consumer_name, shards=shards,
+                           max_jobs=args.max_jobs, burst=args.burst)
     await worker.run(stop)
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.check:
-        try:
-            arq_settings(redis_settings_from_args(args))  # before a model loads: one line, not a traceback
-        except ValueError as e:  # a Cluster URL for the job queue
-            raise SystemExit(f"distillq worker rollout: {e}") from None
     return run_stage("rollout", args, serve)
 
 

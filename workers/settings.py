@@ -29,8 +29,8 @@ def auto_or_positive(text: str) -> int | None:
 class WorkerSettings(FlagSettings):
     """Flags every worker stage takes."""
 
-    burst: bool = Field(False, description="drain the input (teacher, feeder: the input stream; rollout: the job "
-                                           "queue), then exit 0")
+    burst: bool = Field(False, description="drain the input stream (rollout: prompts, teacher: rollouts, feeder: "
+                                           "scored), then exit 0")
     check: Annotated[bool, Flag(doc=(
         "exit 0 if a worker of this stage on this host wrote its heartbeat in the last 30 s and reports nothing "
         "wrong, else 1 (prints why). A teacher whose backend's latest calls all failed reports it (`1 teacher "

@@ -74,6 +74,16 @@ class Replay:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptReplay:
+    """A prompt's dead letter (rollout stage): its entry goes back onto ``prompts`` (``pipeline.cli.resample``)."""
+
+    target: str = "prompts"
+
+    def describe(self) -> str:
+        return "sends the prompt back to prompts, to be sampled again"
+
+
+@dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a dead letter cannot be replayed, and what the operator can do instead."""
 
@@ -115,17 +125,14 @@ def text(b: bytes | None) -> str:
 
 def resample_hint(group_id: str) -> str:
     """What to do for a group whose tokens must be sampled again at the current policy version."""
-    m = _PROMPT_GROUP.fullmatch(group_id)
-    if m is not None:
-        epoch = int(m["epoch"])
-        return (f"sample its prompt again at the current policy version: enqueue prompt {m['prompt']!r} in a new "
-                f"epoch (distillq enqueue FILE --epoch {epoch + 1}, FILE holding its line)")
+    if _PROMPT_GROUP.fullmatch(group_id) is not None:
+        return f"sample its prompt again at the current policy version: distillq dlq resample {group_id}"
     return ("sample it again with the current policy and push it: distillq push --force FILE (with "
             "--policy-version N for lines without one)")
 
 
 def first_look(fields: dict[bytes, bytes], to: str | None, limits: Limits, *, force: bool = False
-               ) -> Replay | Refusal | NeedsCopy:
+               ) -> Replay | PromptReplay | Refusal | NeedsCopy:
     """The decision from the dead letter alone."""
     gid, reason = text(fields.get(ORIG + b"gid")), text(fields.get(b"reason"))
     fam = family(reason)
@@ -134,6 +141,8 @@ def first_look(fields: dict[bytes, bytes], to: str | None, limits: Limits, *, fo
     if fam in REPEATS and not force:
         return Refusal(f"{fam}: a replay fails the same way", f"{REPEATS[fam]}, then distillq dlq replay --force ID")
     target = to or text(fields.get(b"source"))
+    if target == "prompts":
+        return PromptReplay()
     expect = TARGETS.get(target)
     if expect is None:
         return Refusal(f"unknown source stream {target!r}", "pass --to rollouts|scored|batches")

@@ -34,8 +34,8 @@ from pipeline.learner.checkpoint import LATEST
 from pipeline.models.tinymodels import arithmetic_problem
 from pipeline.models.weights import latest as latest_published
 from pipeline.transport.connection import connect
-from pipeline.transport.jobs import PromptJob, enqueue_prompts, job_key_patterns
 from pipeline.transport.keys import Keys
+from pipeline.transport.prompts import Added, PromptJob, enqueue_prompts
 
 STAGES = ("rollout", "teacher", "feeder")
 #: What a run writes under its output directory; a new run replaces these (and nothing else there).
@@ -55,12 +55,11 @@ class DemoConfig:
     rollout_workers: int = 1
     timeout_s: float = 240.0
     eval_every: int = 25
-    jobs_redis_url: str | None = None  # the rollout job queue (arq), when not on redis_url (a Cluster)
     resume: bool = False  # go on from the learner's checkpoint in out/weights instead of starting clean
     student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.cli.demo_vllm)
 
     def settings(self) -> RedisSettings:
-        return RedisSettings(redis_url=self.redis_url, namespace=self.namespace, jobs_redis_url=self.jobs_redis_url)
+        return RedisSettings(redis_url=self.redis_url, namespace=self.namespace)
 
 
 @dataclass
@@ -111,28 +110,18 @@ async def live_workers(settings: RedisSettings, keys: Keys) -> int:
         await r.aclose()
 
 
-async def clear_namespace(settings: RedisSettings, keys: Keys, *, jobs: bool = True) -> int:
-    """Delete the keys an earlier run left under ``keys``' namespace: on ``settings.redis_url`` and, with ``jobs``,
-    on the job queue's Redis (the same one unless ``jobs_redis_url``). Returns how many."""
+async def clear_namespace(settings: RedisSettings, keys: Keys) -> int:
+    """Delete the keys an earlier run left under ``keys``' namespace on ``settings.redis_url``. Returns how many."""
     ns = keys.namespace
-    targets: list[tuple[str, list[str]]] = [(settings.redis_url, [f"{{{ns}:*", f"{ns}:*"])]
-    if jobs:
-        url = settings.jobs_redis_url or settings.redis_url
-        found = next((t for t in targets if t[0] == url), None)
-        if found is not None:
-            found[1].extend(p for p in job_key_patterns(keys) if not p.startswith(f"{ns}:"))
-        else:
-            targets.append((url, job_key_patterns(keys)))
     deleted = 0
-    for url, patterns in targets:
-        r = connect(settings.model_copy(update={"redis_url": url}))
-        try:
-            for pattern in patterns:
-                found_keys = {k async for k in r.scan_iter(match=pattern, count=1000)}
-                for k in found_keys:  # one by one: on a Cluster they span slots
-                    deleted += int(await r.unlink(k))
-        finally:
-            await r.aclose()
+    r = connect(settings)
+    try:
+        for pattern in (f"{{{ns}:*", f"{ns}:*"):
+            found_keys = {k async for k in r.scan_iter(match=pattern, count=1000)}
+            for k in found_keys:  # one by one: on a Cluster they span slots
+                deleted += int(await r.unlink(k))
+    finally:
+        await r.aclose()
     return deleted
 
 
@@ -182,8 +171,16 @@ def enqueue(cfg: DemoConfig) -> int:
     for i in range(n):
         q, a = arithmetic_problem(rng, "train")
         jobs.append(PromptJob(id=f"p{i}", messages=[{"role": "user", "content": q}], answer=a))
-    new, _ = asyncio.run(enqueue_prompts(cfg.settings(), Keys(cfg.namespace), jobs, epoch=0))
-    return new
+    return asyncio.run(enqueue_new(cfg.settings(), Keys(cfg.namespace), jobs, 0))
+
+
+async def enqueue_new(settings: RedisSettings, keys: Keys, jobs: list[PromptJob], epoch: int) -> int:
+    """Enqueue ``jobs`` for ``epoch``; how many were new."""
+    r = connect(settings)
+    try:
+        return (await enqueue_prompts(r, keys, jobs, epoch=epoch))[Added.ADDED]
+    finally:
+        await r.aclose()
 
 
 async def read_heartbeats(r: aioredis.Redis, keys: Keys) -> dict[str, dict[str, Any]]:
@@ -218,8 +215,6 @@ def worker_env(cfg: DemoConfig) -> dict[str, str]:
     env = {"DISTILLQ_REDIS_URL": cfg.redis_url, "DISTILLQ_NAMESPACE": cfg.namespace, "DISTILLQ_MAX_BACKLOG": "8",
            "DISTILLQ_LOG_JSON": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "DISTILLQ_HEARTBEAT_INTERVAL_S": "1"}
-    if cfg.jobs_redis_url:
-        env["DISTILLQ_JOBS_REDIS_URL"] = cfg.jobs_redis_url
     return env
 
 

@@ -23,12 +23,12 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeline.cli.demo import DemoResult, watch
+from pipeline.cli.demo import DemoResult, enqueue_new, watch
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
 from pipeline.models import realtasks
-from pipeline.transport.jobs import PromptJob, enqueue_prompts
 from pipeline.transport.keys import Keys
+from pipeline.transport.prompts import PromptJob
 
 
 @dataclass
@@ -79,7 +79,7 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
 
 
 def enqueue(cfg: RealDemoConfig) -> int:
-    """Train prompts as rollout jobs (enough for every step, cycling through them by epoch); writes the
+    """Train prompts for the rollout workers (enough for every step, cycling through them by epoch); writes the
     held-out prompts the learner evaluates on to ``out/heldout.jsonl``."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     heldout = realtasks.load("heldout")
@@ -91,7 +91,7 @@ def enqueue(cfg: RealDemoConfig) -> int:
     while total < need:
         chunk = train[: need - total]
         jobs = [PromptJob(id=r["id"], messages=r["messages"], answer=r["answer"]) for r in chunk]
-        new, _ = asyncio.run(enqueue_prompts(rs, Keys(cfg.namespace), jobs, epoch=epoch))
+        new = asyncio.run(enqueue_new(rs, Keys(cfg.namespace), jobs, epoch))
         total += len(chunk)
         epoch += 1
         if new == 0:

@@ -1,7 +1,8 @@
-"""Where is group G: its entries in ``rollouts``, ``scored``, ``batches`` and the DLQ, their pending state,
-its dedupe markers and the feeder's drop record (``distillq where``). Reads only; joins no consumer group.
+"""Where is group G: its prompt (entry in ``prompts`` and record), its entries in ``rollouts``, ``scored``,
+``batches`` and the DLQ, their pending state, its dedupe markers and the feeder's drop record (``distillq where``).
+Reads only; joins no consumer group.
 
-Entries of ``rollouts``, ``scored`` and the DLQ are matched on their group id field inside Redis (a script
+Entries of ``prompts``, ``rollouts``, ``scored`` and the DLQ are matched on their group id field inside Redis (a script
 pages through the stream and returns entry ids only, so no payload crosses the network); batches are
 matched on the group ids their manifests list. Each dead letter comes with what ``dlq replay`` would do with
 it, or why it cannot and what to do instead (``pipeline.cli.recovery.assess``), so the summary advises only
@@ -16,12 +17,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from pipeline.cli.deadletters import Refusal, Replay, resample_hint
+from pipeline.cli.deadletters import PromptReplay, Refusal, Replay, resample_hint
 from pipeline.cli.groupscan import batches_listing, find_entries
 from pipeline.cli.recovery import assess, dead_letters_of
 from pipeline.config import StreamSettings
 from pipeline.transport.keys import CONSUMER_GROUPS, Keys
 from pipeline.transport.producer import F_ID
+from pipeline.transport.prompts import candidates, read_record
 from pipeline.transport.sharding import get_shards
 
 
@@ -50,6 +52,7 @@ class Whereabouts:
     entries: list[Sighting] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
     dropped: dict[str, Any] | None = None  # the feeder's drop record
+    prompt: dict[str, str] | None = None  # its prompt's record (``transport.prompts``), the job left out
     summary: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -74,7 +77,7 @@ async def _pending(redis: aioredis.Redis, key: str, group: str, entry_id: str, s
 async def locate(redis: aioredis.Redis, keys: Keys, group_id: str) -> Whereabouts:
     w = Whereabouts(group_id, keys.namespace)
     shards = await get_shards(redis, keys)
-    for stream in ("rollouts", "scored"):
+    for stream in ("prompts", "rollouts", "scored"):
         key = keys.stream_for(stream, group_id, shards)
         for eid in await find_entries(redis, key, group_id, F_ID):
             s = Sighting(stream, eid)
@@ -100,17 +103,51 @@ async def locate(redis: aioredis.Redis, keys: Keys, group_id: str) -> Whereabout
             w.dropped = json.loads(raw)
         except ValueError:
             w.dropped = {"reason": _s(raw)}
+    w.prompt = await prompt_record(redis, keys, group_id)
     w.summary = summarize(w)
     return w
+
+
+async def prompt_record(redis: aioredis.Redis, keys: Keys, group_id: str) -> dict[str, str] | None:
+    """The record of the prompt ``group_id`` was (or is to be) sampled from, without its job; None if none."""
+    for epoch, prompt_id in candidates(group_id):
+        record = await read_record(redis, keys, epoch, prompt_id)
+        if record is not None:
+            record.pop("job", None)
+            return {"epoch": str(epoch), "prompt_id": prompt_id, **record}
+    return None
+
+
+def prompt_state(w: Whereabouts) -> str | None:
+    """Where the group's prompt is, while its group is not written yet: queued, or in flight at a rollout worker."""
+    entry = next((s for s in w.entries if s.stream == "prompts"), None)
+    if entry is None:
+        return None
+    error = (w.prompt or {}).get("error")
+    last = f"; last error: {error}" if error else ""
+    if entry.consumer is None:
+        return f"prompt queued for a rollout worker (prompts entry {entry.entry_id})"
+    return (f"prompt in flight at rollout worker {entry.consumer} for {entry.idle_s or 0:.1f} s (delivered "
+            f"{entry.deliveries} time(s){last})")
+
+
+def _lost_prompt(w: Whereabouts) -> str | None:
+    """A prompt enqueued whose entry is gone with no group, dead letter or drop: lost with Redis data."""
+    p = w.prompt
+    if p is None or p.get("done") or p.get("gid") != w.group_id:
+        return None
+    return (f"prompt {p['prompt_id']!r} was enqueued (entry {p.get('entry')}) but is neither queued, in flight, "
+            "dead-lettered nor sampled: lost with Redis data; distillq enqueue FILE --epoch "
+            f"{p['epoch']} --again enqueues it again")
 
 
 def _hours(s: float | None) -> str:
     return "until deleted" if s is None else f"for {s / 3600:.1f} h more"
 
 
-def advice(entry_id: str, plan: Replay | Refusal) -> str:
+def advice(entry_id: str, plan: Replay | PromptReplay | Refusal) -> str:
     """What to do with one dead letter, as ``where`` and ``dlq show`` print it."""
-    if isinstance(plan, Replay):
+    if isinstance(plan, Replay | PromptReplay):
         return f"distillq dlq replay {entry_id} {plan.describe()}"
     return f"not replayable: {plan.line()}"
 
@@ -129,7 +166,7 @@ def summarize(w: Whereabouts) -> str:
     """One sentence: where the group is now, or what became of it, and what works to send it again."""
     by = {s.stream for s in w.entries}
     marked = {m.stream: m for m in w.markers}
-    flowing = _flowing(by)
+    flowing = _flowing(by) or prompt_state(w)
     dead = [s for s in w.entries if s.stream == "dlq"]
     if dead and flowing is not None:
         return f"{flowing}; {len(dead)} dead letter(s) of it from before (distillq dlq show ENTRY_ID)"
@@ -144,6 +181,8 @@ def summarize(w: Whereabouts) -> str:
         todo = resample_hint(w.group_id) if reason == "stale" else "push it again with distillq push --force FILE"
         return (f"dropped by the feeder ({reason}); a push of the same group id is skipped as already present "
                 f"{_hours(first.expires_in_s if first else None)}: {todo}")
+    if not marked and (lost := _lost_prompt(w)) is not None:
+        return lost
     if "batches" in marked:
         return "batched and acknowledged by the learner: it reached training"
     if marked:

@@ -1,9 +1,9 @@
 """Which distillq namespaces a Redis holds (``distillq namespaces``), and whether one has any key.
 
-A namespace is recognised by the keys ``pipeline.transport.keys`` names: its streams (``{ns:rollouts}``,
-shards ``{ns:rollouts:i~s}``, ``{ns:scored}``, ``{ns:batches}``, ``{ns:dlq}``, with their markers and
-payload keys), ``ns:health:*``, ``ns:config``, ``ns:policy_version``, ``ns:kl``, ``ns:dropped:*``,
-``ns:arq:*`` and ``{ns:atropos}:*``. Found with SCAN (never KEYS), so a large Redis is not blocked.
+A namespace is recognised by the keys ``pipeline.transport.keys`` names: its streams (``{ns:prompts}``,
+``{ns:rollouts}``, shards ``{ns:rollouts:i~s}``, ``{ns:scored}``, ``{ns:batches}``, ``{ns:dlq}``, with their
+markers, prompt records and payload keys), ``ns:health:*``, ``ns:config``, ``ns:policy_version``, ``ns:kl``,
+``ns:dropped:*`` and ``{ns:atropos}:*``. Found with SCAN (never KEYS), so a large Redis is not blocked.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pipeline.transport.keys import STREAMS, Keys
 _NS: Final = r"[A-Za-z0-9_.-]+"
 _STREAM_KEY: Final = re.compile(rf"^\{{({_NS}):({'|'.join(STREAMS)})(?::\d+~\d+)?\}}$")
 _TAGGED: Final = re.compile(rf"^\{{({_NS}):(?:{'|'.join(STREAMS)}|atropos)(?::\d+~\d+)?\}}")
-_PLAIN: Final = re.compile(rf"^({_NS}):(?:health|config|policy_version|kl|dropped|arq)(?::|$)")
+_PLAIN: Final = re.compile(rf"^({_NS}):(?:health|config|policy_version|kl|dropped)(?::|$)")
 _SCAN_COUNT: Final = 1000
 
 

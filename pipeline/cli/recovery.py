@@ -20,6 +20,7 @@ from pipeline.cli.deadletters import (
     ORIG,
     BatchState,
     NeedsCopy,
+    PromptReplay,
     Refusal,
     Replay,
     batch_gate,
@@ -103,7 +104,7 @@ def _ttl_note(settings: StreamSettings) -> str:
 
 async def assess(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[bytes, bytes], *,
                  to: str | None = None, force: bool = False, settings: StreamSettings | None = None
-                 ) -> Replay | Refusal:
+                 ) -> Replay | PromptReplay | Refusal:
     """What ``dlq replay`` would do with one dead letter. Reads only."""
     s = settings or StreamSettings()
     group_id = text(fields.get(ORIG + F_ID))
@@ -112,7 +113,7 @@ async def assess(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[
     if isinstance(plan, NeedsCopy):
         dead = await dead_letters_of(redis, keys, group_id)
         plan = from_copy(plan, group_id, await find_copy(dead, group_id, entry_id, s.limits()))
-    if isinstance(plan, Refusal) or plan.target == "batches":
+    if isinstance(plan, Refusal | PromptReplay) or plan.target == "batches":
         return plan
     state = await batch_state(redis, keys, group_id, s, dead)
     refused = batch_gate(group_id, state, _ttl_note(s))

@@ -7,6 +7,10 @@ code runs on Redis Cluster, and each stream shard gets its own slot:
 =================================================  ============  ==============================================
 key                                                type          written by / meaning
 =================================================  ============  ==============================================
+``{ns:prompts}``                                   stream        ``distillq enqueue``: prompts; read by rollout workers
+``{ns:prompts}:prompt:<epoch>:<prompt id>``        hash (TTL)    ``enqueue`` / rollout workers: a prompt's job, its
+                                                                 latest entry, the group written, its last error
+                                                                 (``transport.prompts``)
 ``{ns:rollouts}`` (shard i of S>1: ``{ns:rollouts:i~n}``)  stream  rollout workers / producers; read by teachers
 ``{ns:scored}`` (``{ns:scored:i}``)                stream        teacher workers; read by the feeder
 ``{ns:batches}``                                   stream        feeder; read by the learner (never sharded)
@@ -30,7 +34,6 @@ key                                                type          written by / me
 ``ns:incidents``                                   stream        any process: faults outside distillq it noticed
                                                                  (Redis reset, data lost), for ``stats``
                                                                  ``attention:`` (``transport.incidents``)
-``ns:arq:*``                                       (arq)         rollout job queue, owned by arq (transport.jobs)
 ``ns:sentinel``                                    hash          first consumer of the namespace: a random token
                                                                  that lives as long as the namespace's data; a
                                                                  worker that finds it gone or changed names the
@@ -69,6 +72,8 @@ The ``serve atropos`` keys share one hash tag, ``{ns:atropos}``, so its scripts 
 Sharding: ``rollouts`` and ``scored`` may be split into S shards (``ns:config`` field ``shards``); a
 group's shard is a stable hash of its group id, so its dedupe marker shares the shard's slot.
 ``batches`` and ``dlq`` are single streams: a batch's dedupe markers (one per group) must share one slot.
+``prompts`` is a single stream too: each prompt's record shares its slot, so one script checks the record and adds
+the entry; a prompt is read once per group sampled, far below what one slot serves.
 
 Each stage stream is read by exactly one consumer group (named after the consuming stage, see
 ``CONSUMER_GROUPS``) which deletes entries once acknowledged, so a stream's length is its backlog.
@@ -86,9 +91,9 @@ from typing import Final
 from redis.crc import key_slot
 
 #: Short stage-stream names, as the CLI takes them.
-STREAMS: Final = ("rollouts", "scored", "batches", "dlq")
+STREAMS: Final = ("prompts", "rollouts", "scored", "batches", "dlq")
 #: The consumer group that reads each stage stream.
-CONSUMER_GROUPS: Final = {"rollouts": "teacher", "scored": "feeder", "batches": "learner"}
+CONSUMER_GROUPS: Final = {"prompts": "rollout", "rollouts": "teacher", "scored": "feeder", "batches": "learner"}
 #: Streams that may be sharded (see ``shard_of``).
 SHARDABLE: Final = frozenset({"rollouts", "scored"})
 MAX_SHARDS: Final = 1024
@@ -138,7 +143,7 @@ class Keys:
         _check(self.namespace, "namespace")
 
     def stream(self, name: str, shard: int | None = None, shards: int = 1) -> str:
-        """The stream key for a short name (``rollouts``, ``scored``, ``batches``, ``dlq``).
+        """The stream key for a short name (``prompts``, ``rollouts``, ``scored``, ``batches``, ``dlq``).
 
         Unsharded (``shard=None`` or ``shards == 1``): ``{ns:name}``. Shard ``i`` of ``shards``:
         ``{ns:name:i}`` (salted, see ``shard_tag``).
@@ -226,17 +231,17 @@ class Keys:
         """Faults from outside distillq that a process noticed (``pipeline.transport.incidents``)."""
         return f"{self.namespace}:incidents"
 
+    @property
+    def sentinel(self) -> str:
+        """A token that lives as long as the namespace's data (``pipeline.transport.resets``)."""
+        return f"{self.namespace}:sentinel"
+
     def atropos(self, part: str) -> str:
         """A key of the Atropos-compatible server (``distillq serve atropos``): ``{ns:atropos}:<part>``, one
         hash slot for all of them. ``part`` is one of ``ATROPOS_PARTS``."""
         if part not in ATROPOS_PARTS:
             raise ValueError(f"unknown atropos key {part!r}; one of {sorted(ATROPOS_PARTS)}")
         return f"{{{self.namespace}:atropos}}:{part}"
-    @property
-    def sentinel(self) -> str:
-        """A token that lives as long as the namespace's data (``pipeline.transport.resets``)."""
-        return f"{self.namespace}:sentinel"
-
 
     def atropos_buffer(self, env_id: int) -> str:
         """Groups of env ``env_id`` waiting for others to fill its group size (``serve atropos``)."""
@@ -250,10 +255,6 @@ class Keys:
         """Dedupe marker of a group put on the ``serve atropos`` queue."""
         return f"{{{self.namespace}:atropos}}:seen:{group_id}"
 
-    @property
-    def arq_queue(self) -> str:
-        return f"{self.namespace}:arq:queue"
-
-    @property
-    def arq_prefix(self) -> str:
-        return f"{self.namespace}:arq:"
+    def prompt_record(self, epoch: int, prompt_id: str) -> str:
+        """A prompt's record (``pipeline.transport.prompts``), in the prompts stream's hash slot."""
+        return f"{self.stream('prompts')}:prompt:{int(epoch)}:{prompt_id}"

@@ -97,7 +97,7 @@ def test_unreachable_redis_is_one_line_with_status_3(
 
 def test_unreachable_redis_as_a_process_prints_no_traceback(files: dict[str, str]) -> None:
     port = free_port()
-    for argv in (["stats"], ["enqueue", files["PROMPTS"]]):  # enqueue: arq would retry and log five times
+    for argv in (["stats"], ["enqueue", files["PROMPTS"]]):
         p = distillq(*argv, "--redis-url", f"redis://127.0.0.1:{port}/0")
         assert (p.returncode, p.stdout) == (3, "")
         assert p.stderr.splitlines() == [f"distillq: cannot reach Redis at redis://127.0.0.1:{port}/0: "

@@ -1,5 +1,5 @@
-"""The demo's clean start on a Redis of the user's: its namespace's keys (and its jobs' arq keys) go, nothing
-else does, and a namespace with live workers is refused."""
+"""The demo's clean start on a Redis of the user's: its namespace's keys (prompts and their records included) go,
+nothing else does, and a namespace with live workers is refused."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pytest
 from pipeline.cli.demo import clear_namespace, live_workers
 from pipeline.config import RedisSettings
 from pipeline.transport.connection import connect
-from pipeline.transport.jobs import PromptJob, enqueue_prompts
 from pipeline.transport.keys import Keys
-from tests.redis_server import RedisServer
+from pipeline.transport.prompts import PromptJob, enqueue_prompts
 
 pytestmark = [pytest.mark.redis]
 
@@ -26,8 +25,8 @@ async def _fill(settings: RedisSettings, keys: Keys) -> None:
     await r.set(keys.seen("rollouts", "g1"), "1")
     await r.set(keys.policy_version, "150")
     await r.hset(keys.config, "shards", "1")
+    await enqueue_prompts(r, keys, [PromptJob(id=f"p{i}", prompt="1+1=") for i in range(3)])
     await r.aclose()
-    await enqueue_prompts(settings, keys, [PromptJob(id=f"p{i}", prompt="1+1=") for i in range(3)])
 
 
 async def _keys(url: str) -> set[str]:
@@ -44,25 +43,12 @@ def test_clear_namespace_deletes_its_keys_only(redis_url: str, keys: Keys) -> No
     asyncio.run(_fill(settings.model_copy(update={"namespace": other.namespace}), other))
     before = asyncio.run(_keys(redis_url))
     mine = {k for k in before if keys.namespace + ":" in k and other.namespace not in k}
-    assert any(k.startswith("arq:job:") for k in mine) and len(mine) >= 9
+    assert keys.prompt_record(0, "p1") in mine and keys.stream("prompts") in mine and len(mine) == 8
     deleted = asyncio.run(clear_namespace(settings, keys))
     after = asyncio.run(_keys(redis_url))
     assert deleted == len(mine)
     assert after == before - mine
-    assert any(other.namespace in k and k.startswith("arq:job:") for k in after)  # the other's jobs stay
-
-
-def test_jobs_on_another_redis_are_cleared_there(redis_url: str, keys: Keys, tmp_path: Path) -> None:
-    jobs = RedisServer().start()
-    try:
-        settings = RedisSettings(redis_url=redis_url, namespace=keys.namespace, jobs_redis_url=jobs.url)
-        asyncio.run(_fill(settings, keys))
-        assert any(k.startswith("arq:job:") for k in asyncio.run(_keys(jobs.url)))
-        assert asyncio.run(clear_namespace(settings, keys)) > 0
-        assert not {k for k in asyncio.run(_keys(jobs.url)) if keys.namespace in k}
-        assert not {k for k in asyncio.run(_keys(redis_url)) if keys.namespace in k}
-    finally:
-        jobs.stop()
+    assert other.prompt_record(0, "p1") in after  # the other's prompts stay
 
 
 def test_a_namespace_with_live_workers_is_refused(redis_url: str, keys: Keys, tmp_path: Path) -> None:

@@ -1,11 +1,14 @@
-"""Enqueue 20 prompts, run 2 rollout workers, read 20 groups from the rollouts stream; a stopped worker's
-graceful shutdown."""
+"""The rollout stage on the prompts stream, at least once: 20 prompts through 2 real-model workers; a full
+rollouts stream past the backpressure timeout; a sample that always raises (dead-lettered with its reason, then
+replayed); a graceful stop while waiting; a redelivered prompt whose group was written; ``enqueue --again``;
+``where`` for a prompt in each state."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +16,16 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
+from pipeline.cli.locate import locate
 from pipeline.cli.main import build_parser, main
-from pipeline.config import RedisSettings, StreamSettings
+from pipeline.config import StreamSettings
 from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
-from pipeline.stages.rollout_stage import RolloutStage, RolloutWorker
-from pipeline.transport.jobs import PromptJob, enqueue_prompts
+from pipeline.stages.rollout_stage import RolloutStage
+from pipeline.stages.rollout_worker import RolloutWorker
+from pipeline.transport.consumer import StreamConsumer
 from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
+from pipeline.transport.prompts import Added, PromptJob, enqueue_prompts, read_record
 from schemas import RolloutGroup, decode
 from schemas.build import synthetic_rollout
 from workers import rollout
@@ -36,6 +43,44 @@ def write_prompts(path: Path, n: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def fast(**kw: object) -> StreamSettings:
+    base: dict[str, object] = dict(block_ms=50, claim_idle_ms=300, claim_interval_ms=50, heartbeat_interval_s=0.2,
+                                   shutdown_grace_s=0.5, max_deliveries=3)
+    return StreamSettings(**{**base, **kw})  # type: ignore[arg-type]
+
+
+class Scripted(RolloutStage):
+    """A stage that samples a synthetic group per prompt; ``fail`` ids raise; ``gate`` (when set) is awaited first."""
+
+    def __init__(self, fail: frozenset[str] = frozenset(), gate: asyncio.Event | None = None) -> None:
+        self.synced, self.fail, self.gate = None, fail, gate
+        self.calls: Counter[str] = Counter()
+        self.started = asyncio.Event()
+
+    async def sample(self, job: PromptJob, epoch: int, group_id: str | None = None) -> RolloutGroup | None:
+        self.calls[job.id] += 1
+        self.started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if job.id in self.fail:
+            raise ValueError(f"no sample for {job.id}")
+        return synthetic_rollout(1, 8, group_id=group_id or f"{epoch}:{job.id}")
+
+
+async def group_ids(r: aioredis.Redis, keys: Keys) -> list[str]:
+    return [f[b"gid"].decode() for _, f in await r.xrange(keys.stream("rollouts"))]
+
+
+async def drain_rollouts(r: aioredis.Redis, keys: Keys, seen: list[str], stop: asyncio.Event) -> None:
+    """A stand-in teacher: takes every rollout entry off the stream (recording its group id) until ``stop``."""
+    key = keys.stream("rollouts")
+    while not stop.is_set():
+        for eid, f in await r.xrange(key):
+            seen.append(f[b"gid"].decode())
+            await r.xdel(key, eid)
+        await asyncio.sleep(0.05)
+
+
 async def test_enqueue_and_two_rollout_workers(tmp_path: Path, redis_url: str, keys: Keys,
                                                r: aioredis.Redis) -> None:
     tiny = ensure_tiny_models()
@@ -44,6 +89,7 @@ async def test_enqueue_and_two_rollout_workers(tmp_path: Path, redis_url: str, k
     common = ["--redis-url", redis_url, "--namespace", keys.namespace]
     assert await asyncio.to_thread(main, ["enqueue", str(prompts), "--epoch", "1", *common]) == 0
     assert await asyncio.to_thread(main, ["enqueue", str(prompts), "--epoch", "1", *common]) == 0  # no-op
+    assert await r.xlen(keys.stream("prompts")) == 20
     await r.set(keys.policy_version, 7)
     argv = ["worker", "rollout", "--backend", "hf", "--model", str(tiny.student), "--group-size", str(G),
             "--max-tokens", "6", "--reward", "math", "--max-jobs", "2", "--burst", *common]
@@ -61,10 +107,13 @@ async def test_enqueue_and_two_rollout_workers(tmp_path: Path, redis_url: str, k
             lp = s.logprobs.numpy()  # type: ignore[union-attr]
             assert (lp[mask == 1] < 0).all() and (lp[mask == 0] == 0).all()
             assert s.score in (0.0, 1.0)
-    # enqueueing again for a new epoch is not a no-op
-    assert await asyncio.to_thread(main, ["enqueue", str(prompts), "--epoch", "2", *common]) == 0
-    assert await r.zcard(keys.arq_queue) == 20
     assert np.isfinite([s.score for g in groups for s in g.sequences]).all()
+    assert await r.xlen(keys.stream("prompts")) == 0  # every prompt acknowledged (and deleted)
+    record = await read_record(r, keys, 1, "p3")
+    assert record is not None and record["done"] == "1:p3"
+    # a new epoch is not a no-op
+    assert await asyncio.to_thread(main, ["enqueue", str(prompts), "--epoch", "2", *common]) == 0
+    assert await r.xlen(keys.stream("prompts")) == 20
 
 
 def test_enqueue_rejects_bad_file_entirely(tmp_path: Path, redis_url: str, keys: Keys,
@@ -76,48 +125,151 @@ def test_enqueue_rejects_bad_file_entirely(tmp_path: Path, redis_url: str, keys:
     assert "line 2" in err and "line 3" in err and "nothing enqueued" in err
 
 
-class Gated(RolloutStage):
-    """A stage whose job ``quick`` finishes once stop is set and whose job ``stuck`` never does."""
-
-    def __init__(self, stop: asyncio.Event) -> None:
-        self.synced, self.stop = None, stop
-        self.running: set[str] = set()
-        self.both = asyncio.Event()
-        self.cancelled: list[str] = []
-
-    async def sample(self, job: PromptJob, epoch: int) -> RolloutGroup | None:
-        self.running.add(job.id)
-        if len(self.running) == 2:
-            self.both.set()
-        try:
-            await (self.stop.wait() if job.id == "quick" else asyncio.Event().wait())
-        except asyncio.CancelledError:
-            self.cancelled.append(job.id)
-            raise
-        return synthetic_rollout(1, 8, group_id=f"{epoch}:{job.id}")
-
-
-async def test_a_stopped_worker_finishes_jobs_within_the_grace_period_cancels_the_rest_and_clears_its_heartbeat(
-    redis_url: str, keys: Keys, r: aioredis.Redis
+async def test_four_prompts_behind_a_full_stream_past_the_backpressure_timeout_all_arrive(
+    keys: Keys, r: aioredis.Redis
 ) -> None:
-    rs = RedisSettings(redis_url=redis_url, namespace=keys.namespace)
-    await enqueue_prompts(rs, keys, [PromptJob(id="quick", prompt="1+1="), PromptJob(id="stuck", prompt="2+2=")])
-    stop = asyncio.Event()
-    stage = Gated(stop)
-    worker = RolloutWorker(r, keys, stage, rs, StreamSettings(shutdown_grace_s=0.5), consumer_name="w", max_jobs=2)
+    await enqueue_prompts(r, keys, [PromptJob(id=f"q{i}", prompt=f"{i}+1=") for i in range(4)])
+    stage = Scripted()
+    worker = RolloutWorker(r, keys, stage, fast(max_backlog=1, backpressure_timeout_s=0.3), consumer_name="w",
+                           max_jobs=4)
+    stop, drained = asyncio.Event(), asyncio.Event()
     with capture_logs() as logs:
         run = asyncio.create_task(worker.run(stop))
-        await asyncio.wait_for(stage.both.wait(), 30)
-        beat = keys.heartbeat("rollout", "w")
-        for _ in range(200):  # the heartbeat task's first write
-            if await r.exists(beat):
+        await asyncio.sleep(1.5)  # five times the backpressure timeout, nobody reading rollouts
+        assert len(await group_ids(r, keys)) == 1
+        assert await StreamConsumer(r, keys, "prompts", "x").pending_count() == 3  # the rest wait, leased
+        seen: list[str] = []
+        teacher = asyncio.create_task(drain_rollouts(r, keys, seen, drained))
+        for _ in range(100):
+            if len(seen) == 4:
                 break
-            await asyncio.sleep(0.02)
-        assert json.loads(await r.get(beat))["pid"] > 0
+            await asyncio.sleep(0.05)
         stop.set()
-        stats = await asyncio.wait_for(run, 30)
-    assert stage.cancelled == ["stuck"] and stats.handled == 1
-    assert [f[b"gid"] for _, f in await r.xrange(keys.stream("rollouts"))] == [b"0:quick"]
-    assert await r.exists(beat) == 0
-    events = [e["event"] for e in logs]
-    assert events.index("rollout_worker_draining") < events.index("rollout_worker_stopped")
+        stats = await asyncio.wait_for(run, 10)
+        drained.set()
+        await teacher
+    assert sorted(seen) == [f"0:q{i}" for i in range(4)]
+    assert stats.outcomes["emitted"] == 4 and sum(stage.calls.values()) == 4  # each sampled once
+    assert await r.xlen(keys.stream("prompts")) == 0
+    assert any(e["event"] == "downstream_full" for e in logs)
+
+
+async def test_a_prompt_that_fails_every_time_is_dead_lettered_with_its_error_and_replayable(
+    redis_url: str, keys: Keys, r: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await enqueue_prompts(r, keys, [PromptJob(id="bad", prompt="?"), PromptJob(id="good", prompt="1+1=")])
+    stage = Scripted(fail=frozenset({"bad"}))
+    worker = RolloutWorker(r, keys, stage, fast(), consumer_name="w", burst=True)
+    stats = await asyncio.wait_for(worker.run(asyncio.Event()), 30)
+    assert stage.calls == {"bad": 3, "good": 1}  # max_deliveries=3 tries, then given up
+    assert stats.outcomes["failed"] == 3 and stats.outcomes["dead_letter"] == 1
+    assert await group_ids(r, keys) == ["0:good"]
+    ((eid, fields),) = await r.xrange(keys.dlq)
+    assert fields[b"stage"] == b"rollout" and fields[b"source"] == b"prompts" and fields[b"orig_gid"] == b"0:bad"
+    assert fields[b"reason"] == b"rollout_failed: ValueError: no sample for bad (delivered 3 times)"
+    record = await read_record(r, keys, 0, "bad")
+    assert record is not None and record["error"] == "rollout_failed: ValueError: no sample for bad"
+    common = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    assert await asyncio.to_thread(main, ["where", "0:bad", *common]) == 0
+    out = capsys.readouterr().out
+    assert "dead-lettered (stage rollout: rollout_failed: ValueError" in out
+    assert f"distillq dlq replay {eid.decode()} sends the prompt back to prompts" in out
+    assert await asyncio.to_thread(main, ["stats", "--json", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["dead_letters"] == 1
+    # replayed, it is sampled again (it works now) and yields its group
+    assert await asyncio.to_thread(main, ["dlq", "replay", eid.decode(), *common]) == 0
+    assert "replayed" in capsys.readouterr().out
+    assert await r.xlen(keys.dlq) == 0 and await r.xlen(keys.stream("prompts")) == 1
+    again = RolloutWorker(r, keys, Scripted(), fast(), consumer_name="w2", burst=True)
+    await asyncio.wait_for(again.run(asyncio.Event()), 30)
+    assert await group_ids(r, keys) == ["0:good", "0:bad"]
+
+
+async def test_a_graceful_stop_while_waiting_for_capacity_loses_nothing(keys: Keys, r: aioredis.Redis) -> None:
+    await StreamProducer(r, keys, "rollouts").send(synthetic_rollout(1, 8, group_id="other"))  # the stream is full
+    await enqueue_prompts(r, keys, [PromptJob(id="a", prompt="1+1="), PromptJob(id="b", prompt="2+2=")])
+    settings = fast(max_backlog=1, backpressure_timeout_s=60)
+    stop = asyncio.Event()
+    first = RolloutWorker(r, keys, Scripted(), settings, consumer_name="w1", max_jobs=2)
+    run = asyncio.create_task(first.run(stop))
+    for _ in range(200):
+        if first.stats.outcomes == {} and await StreamConsumer(r, keys, "prompts", "x").pending_count() == 2:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # both samples done, both pushes waiting
+    stop.set()
+    stats = await asyncio.wait_for(run, 10)
+    assert stats.handled == 0 and await group_ids(r, keys) == ["other"]
+    assert await StreamConsumer(r, keys, "prompts", "x").pending_count() == 2  # left pending, not lost
+    assert (await read_record(r, keys, 0, "a") or {}).get("done") is None
+    await r.delete(keys.stream("rollouts"))  # downstream drained
+    second = RolloutWorker(r, keys, Scripted(), fast(), consumer_name="w2", burst=True)
+    await asyncio.wait_for(second.run(asyncio.Event()), 30)  # reclaims them after claim_idle_ms
+    assert sorted(await group_ids(r, keys)) == ["0:a", "0:b"]
+
+
+async def test_a_redelivered_prompt_whose_group_was_written_is_acked_without_sampling(
+    keys: Keys, r: aioredis.Redis
+) -> None:
+    await enqueue_prompts(r, keys, [PromptJob(id="p", prompt="1+1=")])
+    dead = StreamConsumer(r, keys, "prompts", "dead", fast())
+    await dead.ensure_group()
+    assert len(await dead.read(1, block_ms=50)) == 1  # read by a worker that pushed the group and died
+    await StreamProducer(r, keys, "rollouts").send(synthetic_rollout(1, 8, group_id="0:p"))
+    stage = Scripted()
+    stats = await asyncio.wait_for(RolloutWorker(r, keys, stage, fast(), consumer_name="w", burst=True)
+                                   .run(asyncio.Event()), 30)
+    assert stage.calls == {} and stats.outcomes == {"already_emitted": 1}
+    assert await group_ids(r, keys) == ["0:p"] and await r.xlen(keys.stream("prompts")) == 0
+
+
+async def test_enqueue_again_takes_only_prompts_that_left_no_group(keys: Keys, r: aioredis.Redis) -> None:
+    jobs = [PromptJob(id=i, prompt="1+1=") for i in ("done", "dead", "queued")]
+    assert (await enqueue_prompts(r, keys, jobs))[Added.ADDED] == 3
+    assert (await enqueue_prompts(r, keys, jobs))[Added.ENQUEUED_BEFORE] == 3  # idempotent
+    stage = Scripted(fail=frozenset({"dead"}))
+    worker = RolloutWorker(r, keys, stage, fast(max_deliveries=1), consumer_name="w", max_jobs=2)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    for _ in range(200):
+        if await r.xlen(keys.dlq) == 1 and len(await group_ids(r, keys)) == 2:
+            break
+        await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.wait_for(run, 10)
+    await enqueue_prompts(r, keys, [PromptJob(id="late", prompt="3+3=")])  # still queued
+    got = await enqueue_prompts(r, keys, [*jobs, PromptJob(id="late", prompt="3+3=")], again=True)
+    assert got[Added.ADDED] == 1 and got[Added.DONE] == 2 and got[Added.STILL_QUEUED] == 1
+    assert (await locate(r, keys, "0:late")).summary.startswith("prompt queued for a rollout worker")
+
+
+async def test_where_reports_a_prompt_in_flight_with_its_deliveries_and_last_error(
+    keys: Keys, r: aioredis.Redis
+) -> None:
+    await enqueue_prompts(r, keys, [PromptJob(id="p", prompt="1+1=")])
+    gate = asyncio.Event()
+    stage = Scripted(fail=frozenset({"p"}))
+    worker = RolloutWorker(r, keys, stage, fast(max_deliveries=5), consumer_name="w1")
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run(stop))
+    for _ in range(200):  # its first try failed: the error is on the record
+        if (await read_record(r, keys, 0, "p") or {}).get("error"):
+            break
+        await asyncio.sleep(0.02)
+    stage.fail, stage.gate = frozenset(), gate  # the next try hangs, in flight
+    for _ in range(200):
+        if stage.calls["p"] == 2:
+            break
+        await asyncio.sleep(0.02)
+    w = await locate(r, keys, "0:p")
+    assert w.summary.startswith("prompt in flight at rollout worker w1 for ")
+    assert "delivered 2 time(s); last error: rollout_failed: ValueError: no sample for p" in w.summary
+    gate.set()
+    for _ in range(200):
+        if await group_ids(r, keys):
+            break
+        await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.wait_for(run, 10)
+    w = await locate(r, keys, "0:p")
+    assert w.prompt is not None and w.prompt["done"] == "0:p" and w.summary == "waiting for a teacher worker"

@@ -15,7 +15,7 @@ from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.rollout.rewards import exact_match
 from pipeline.rollout.students.base import Completion, GenParams
 from pipeline.stages.rollout_stage import RolloutConfig, RolloutStage
-from pipeline.transport.jobs import PromptJob
+from pipeline.transport.prompts import PromptJob
 
 EOS = 2
 

@@ -90,7 +90,7 @@ async def with_redis(args: argparse.Namespace, fn: Callable[[aioredis.Redis, Key
 
 async def ensure_reachable(settings: RedisSettings, url: str | None = None) -> None:
     """Fail fast, in one line (exit status 3), when the Redis at ``url`` (default: the settings' URL) is away:
-    for commands whose client (arq) would otherwise retry and log each attempt first."""
+    before work that would take long or retry and log each attempt first."""
     url = url or settings.redis_url
     client = connect(settings.model_copy(update={"redis_url": url}))
     try:

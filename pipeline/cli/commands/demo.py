@@ -1,8 +1,7 @@
 """``distillq demo``: the pipeline end to end on one machine, on an embedded Redis by default.
 
 Every process it starts, and the embedded server, are stopped on exit, on error and on Ctrl-C.
-On a Redis Cluster the rollout job queue (arq, which cannot use one) runs on ``$DISTILLQ_JOBS_REDIS_URL``,
-else on an embedded single Redis; the demo says which.
+A Redis Cluster URL runs the whole pipeline, prompts included, on the cluster.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pipeline.cli.commands.common import add_command, ensure_reachable, make_con
 from pipeline.cli.embedded import EmbeddedRedis
 from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.config import RedisSettings, redis_settings
-from pipeline.transport.connection import is_cluster_url, mask_url
+from pipeline.transport.connection import mask_url
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,7 +77,7 @@ def _embedded(missing: str | None = None) -> EmbeddedRedis:
         raise CliError(f"{e} ({server.binary})", EXIT_FAILED) from e
 
 
-def prepare_redis(settings: RedisSettings, console: Console, *, jobs_embedded: bool) -> None:
+def prepare_redis(settings: RedisSettings, console: Console) -> None:
     """Refuse a namespace that a running pipeline uses; delete what an earlier run left in it."""
     from pipeline.cli.demo import clear_namespace, live_workers
 
@@ -87,7 +86,7 @@ def prepare_redis(settings: RedisSettings, console: Console, *, jobs_embedded: b
     if live:
         raise CliError(f"namespace {keys.namespace} at {mask_url(settings.redis_url)} has {live} live worker(s); the "
                        "demo deletes its namespace's keys first: pass --namespace with one of its own", EXIT_FAILED)
-    deleted = run(clear_namespace(settings, keys, jobs=not jobs_embedded))
+    deleted = run(clear_namespace(settings, keys))
     if deleted:
         console.print(f"deleted {deleted} keys an earlier run left in namespace {keys.namespace}")
 
@@ -107,36 +106,18 @@ def prepare_out(args: argparse.Namespace, console: Console) -> None:
         console.print(f"replacing the earlier run in {args.out} ({', '.join(gone)}); --resume goes on from it instead")
 
 
-def start_redis(args: argparse.Namespace, namespace: str, console: Console,
-                servers: list[EmbeddedRedis]) -> tuple[str, str | None]:
-    """(Redis URL, job queue URL or None: the same Redis) for the demo, checked and cleared of an earlier run;
-    each embedded server it starts is appended to ``servers`` (the caller stops them)."""
+def start_redis(args: argparse.Namespace, namespace: str, console: Console, servers: list[EmbeddedRedis]) -> str:
+    """The Redis URL for the demo, checked and cleared of an earlier run; an embedded server it starts is appended
+    to ``servers`` (the caller stops it)."""
     url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
-    jobs_url = os.environ.get("DISTILLQ_JOBS_REDIS_URL") or None
-    if jobs_url and is_cluster_url(jobs_url):
-        raise CliError("DISTILLQ_JOBS_REDIS_URL must be a single Redis: the rollout job queue (arq) cannot use "
-                       "Redis Cluster", EXIT_USAGE)
-    streams_embedded = jobs_embedded = False
     if url:
         console.print(f"using Redis at {mask_url(url)}")
         run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
-        if is_cluster_url(url) and not jobs_url:
-            servers.append(_embedded("the rollout job queue (arq) cannot use Redis Cluster and no redis-server "
-                                     "was found to run it here: set DISTILLQ_JOBS_REDIS_URL to a single Redis"))
-            jobs_url, jobs_embedded = servers[-1].url, True
-            console.print(f"rollout job queue (arq, which cannot use Redis Cluster) on an embedded Redis at "
-                          f"{jobs_url}; set DISTILLQ_JOBS_REDIS_URL to use another")
-    else:
-        servers.append(_embedded())
-        url, streams_embedded = servers[-1].url, True
-        console.print(f"[bold]embedded Redis[/bold] {servers[-1].binary} on {url}")
-    if jobs_url and not jobs_embedded:
-        console.print(f"rollout job queue (arq) on {mask_url(jobs_url)} (DISTILLQ_JOBS_REDIS_URL)")
-        run(ensure_reachable(redis_settings(jobs_url), jobs_url))
-    if not streams_embedded or (jobs_url and not jobs_embedded):  # a Redis of the user's
-        settings = redis_settings(url, namespace).model_copy(update={"jobs_redis_url": jobs_url})
-        prepare_redis(settings, console, jobs_embedded=jobs_embedded)
-    return url, jobs_url
+        prepare_redis(redis_settings(url, namespace), console)
+        return url
+    servers.append(_embedded())
+    console.print(f"[bold]embedded Redis[/bold] {servers[-1].binary} on {servers[-1].url}")
+    return servers[-1].url
 
 
 def main(args: argparse.Namespace) -> int:
@@ -162,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
             raise CliError(f"nothing to resume in {args.out}: no learner checkpoint (weights and optimizer state) from "
                            "an earlier run; run without --resume", EXIT_USAGE)
         namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
-        url, jobs_url = start_redis(args, namespace, console, servers)
+        url = start_redis(args, namespace, console, servers)
         prepare_out(args, console)
         with console.status("building tiny models (cached after the first run)..."):
             tiny = ensure_tiny_models()
@@ -173,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
         from pipeline.cli.demo_vllm import START_S
 
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
-                         rollout_workers=args.rollout_workers, jobs_redis_url=jobs_url, resume=args.resume,
+                         rollout_workers=args.rollout_workers, resume=args.resume,
                          student_backend=args.student,
                          timeout_s=(args.timeout or 240.0) + (START_S if args.student == "vllm" else 0.0))
         from pipeline.cli.demo import enqueue

@@ -1,4 +1,4 @@
-"""``distillq dlq list|show|replay|purge``: inspect dead letters, send them back, or delete them.
+"""``distillq dlq list|show|replay|resample|purge``: inspect dead letters, send them back, or delete them.
 
 Dead-letter fields (written by ``StreamConsumer.dead_letter``): stage, reason, source, source_id, source_shard,
 deliveries, consumer, at_ms, and ``orig_<field>`` for each field of the original entry (t, gid, d).
@@ -31,12 +31,13 @@ from pipeline.cli.commands.common import (
     run,
     with_redis,
 )
-from pipeline.cli.deadletters import ORIG, TARGETS, Refusal
+from pipeline.cli.deadletters import ORIG, TARGETS, PromptReplay, Refusal
 from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.cli.inspect import one_line, summarize_entry, summarize_message
 from pipeline.cli.locate import advice
 from pipeline.cli.namespaces import absent_note
 from pipeline.cli.recovery import assess, send_again
+from pipeline.cli.resample import dlq_resample, replay_prompt
 from pipeline.cli.streamstats import server_time
 from pipeline.config import StreamSettings
 from pipeline.transport.keys import Keys
@@ -100,6 +101,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                          "batch_too_large, oversize_group): change the setting first")
     rp.set_defaults(func=main_replay)
 
+    rs = add_command(dsub, "resample", "sample stale groups' prompts again at the current policy version",
+                     "For each group dropped as stale (a learner dead letter 'stale: ...', named by its entry id or "
+                     "group id, or a feeder drop, named by its group id), enqueue its prompt again from the prompt's "
+                     "record, as the group <epoch>:<prompt id>@v<N> (N: the current policy version), and delete the "
+                     "dead letter after that write. Once per stale group; only groups of prompts from distillq "
+                     "enqueue (their record lives 30 days).")
+    rs.add_argument("ids", nargs="+", metavar="ID", help="a dead letter's entry id, or a group id")
+    rs.set_defaults(func=main_resample)
+
     pg = add_command(dsub, "purge", "delete dead letters",
                      "Delete all dead letters, or those older than --older-than. Asks for confirmation on a "
                      "terminal unless --yes.")
@@ -108,7 +118,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     pg.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     pg.set_defaults(func=main_purge)
 
-    for leaf in (ls, show, rp, pg):
+    for leaf in (ls, show, rp, rs, pg):
         add_redis_args(leaf)
 
 
@@ -203,6 +213,9 @@ async def replay_one(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: d
     plan = await assess(redis, keys, entry_id, fields, to=to, force=force, settings=settings)
     if isinstance(plan, Refusal):
         return ReplayResult(entry_id, False, plan.line())
+    if isinstance(plan, PromptReplay):
+        sent = await replay_prompt(redis, keys, entry_id, fields)
+        return ReplayResult(entry_id, sent.ok, sent.detail)
     added = await send_again(redis, keys, plan, settings, await get_shards(redis, keys),
                              stage=fields.get(b"stage", b"").decode("utf-8", "replace"))
     await redis.xdel(keys.dlq, entry_id)  # only after the write succeeded
@@ -299,6 +312,10 @@ def main_replay(args: argparse.Namespace) -> int:
         raise CliError("dlq replay: give ENTRY_ID ... or --all (not both)", EXIT_USAGE)
     check_entry_ids("replay", args.entry_ids)
     return run(with_redis(args, lambda r, k: dlq_replay(r, k, args)))
+
+
+def main_resample(args: argparse.Namespace) -> int:
+    return run(with_redis(args, lambda r, k: dlq_resample(r, k, args)))
 
 
 def main_purge(args: argparse.Namespace) -> int:

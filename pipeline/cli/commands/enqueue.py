@@ -1,7 +1,9 @@
-"""``distillq enqueue FILE.jsonl [--epoch N]``: one rollout job per prompt line (id + prompt or messages).
+"""``distillq enqueue FILE.jsonl [--epoch N] [--again]``: one entry on the prompts stream per prompt line (id + prompt
+or messages), for the rollout workers (``pipeline.transport.prompts``).
 
-All lines are validated first; nothing is enqueued if any is bad. Re-enqueueing an id for the same
-epoch is a no-op.
+All lines are validated first; nothing is enqueued if any is bad. Re-enqueueing an id for the same epoch is a no-op;
+``--again`` enqueues the prompts whose last attempt left no group (dead-lettered, or lost with Redis data) and skips
+those still queued, in flight or done.
 """
 
 from __future__ import annotations
@@ -11,28 +13,35 @@ import sys
 from pathlib import Path
 
 import msgspec
+import redis.asyncio as aioredis
 
 from pipeline.cli.commands.common import (
     add_command,
     add_redis_args,
-    ensure_reachable,
     namespace_keys,
     read_input,
     redis_settings_from_args,
     report_bad_lines,
     run,
+    with_redis,
 )
-from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
-from pipeline.transport.jobs import PROMPT_DECODER, PromptJob, arq_settings, enqueue_prompts
+from pipeline.cli.errors import EXIT_FAILED, CliError
+from pipeline.transport.keys import Keys
+from pipeline.transport.prompts import PROMPT_DECODER, Added, PromptJob, enqueue_prompts
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = add_command(sub, "enqueue", "enqueue prompts (JSONL: id, prompt or messages, answer) as rollout jobs",
-                    "Enqueue one rollout job per prompt line (id plus prompt or messages) for the rollout workers. "
-                    "Every line is validated first; nothing is enqueued if any is bad. Idempotent per (epoch, id).")
+    p = add_command(sub, "enqueue", "enqueue prompts (JSONL: id, prompt or messages, answer) for the rollout workers",
+                    "Enqueue one prompt per line (id plus prompt or messages) on the prompts stream for the rollout "
+                    "workers; each becomes the group <epoch>:<id>. Every line is validated first; nothing is enqueued "
+                    "if any is bad. Idempotent per (epoch, id); --again enqueues those whose last attempt left no "
+                    "group (dead-lettered, or lost with Redis data).")
     p.add_argument("file", type=Path, help="JSONL file, one prompt object per line ('-' for stdin)")
     p.add_argument("--epoch", type=int, default=0, metavar="N",
-                   help="epoch of these jobs: a new epoch samples the same prompt ids again")
+                   help="epoch of these prompts: a new epoch samples the same prompt ids again")
+    p.add_argument("--again", action="store_true",
+                   help="enqueue again the prompts of this epoch whose last attempt left no group (dead-lettered, or "
+                        "lost with Redis data); those still queued, in flight or done are skipped")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -57,21 +66,20 @@ def parse_prompts(lines: list[str]) -> tuple[list[PromptJob], list[str]]:
     return jobs, errors
 
 
+async def enqueue(redis: aioredis.Redis, keys: Keys, jobs: list[PromptJob], args: argparse.Namespace) -> int:
+    got = await enqueue_prompts(redis, keys, jobs, epoch=args.epoch, again=args.again)
+    skipped = [(got[Added.ENQUEUED_BEFORE], "already enqueued"), (got[Added.STILL_QUEUED], "still queued or in flight"),
+               (got[Added.DONE], "done (group written)")]
+    print(f"enqueued {got[Added.ADDED]} prompt(s) for epoch {args.epoch} in namespace {keys.namespace!r}"
+          + "".join(f"; {n} {what}" for n, what in skipped if n), file=sys.stdout, flush=True)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     jobs, errors = parse_prompts(read_input(args.file).splitlines())
     if errors:
         return report_bad_lines(args.file, errors, "enqueued")
     if not jobs:
         raise CliError(f"no prompts in {args.file}; nothing enqueued", EXIT_FAILED)
-    rs = redis_settings_from_args(args)
-    keys = namespace_keys(rs)
-    try:
-        arq_settings(rs)
-    except ValueError as e:  # a Cluster URL for the job queue
-        raise CliError(str(e), EXIT_USAGE) from e
-    run(ensure_reachable(rs, rs.jobs_redis_url))  # arq would retry and log five times first
-    new, old = run(enqueue_prompts(rs, keys, jobs, epoch=args.epoch))
-    print(f"enqueued {new} prompt(s) for epoch {args.epoch} in namespace {keys.namespace!r}"
-          + (f"; {old} already enqueued" if old else ""),
-          file=sys.stdout, flush=True)
-    return 0
+    namespace_keys(redis_settings_from_args(args))  # a bad namespace: one line before Redis is asked
+    return run(with_redis(args, lambda r, k: enqueue(r, k, jobs, args)))

@@ -17,14 +17,12 @@ from pipeline.cli.commands.common import (
     add_command,
     add_redis_args,
     make_console,
-    redis_settings_from_args,
     run_output,
     stream_name,
     with_redis,
 )
 from pipeline.cli.pipelinestate import collect_all
 from pipeline.cli.streamstats import Snapshot, with_rates
-from pipeline.transport.connection import connect
 from pipeline.transport.keys import STREAMS, Keys
 
 
@@ -138,8 +136,7 @@ def _streams(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(args.streams)) if args.streams else list(STREAMS)
 
 
-async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console,
-                jobs: aioredis.Redis | None = None) -> int:
+async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
     prev: Snapshot | None = None
     n = 0
     redraw = not args.json and console.is_terminal  # in a file or a pipe, each refresh is printed in turn
@@ -149,7 +146,7 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
             live.start()
         while args.refreshes is None or n < args.refreshes:
             snap = with_rates(prev, await collect_all(redis, keys, _streams(args), window_s=args.window,
-                                                      jobs_redis=jobs, hold_warn_s=args.hold_warn))
+                                                      hold_warn_s=args.hold_warn))
             if live is not None:
                 live.update(render(snap), refresh=True)
             elif args.json:
@@ -166,10 +163,8 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
     return 0
 
 
-async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console,
-               jobs: aioredis.Redis | None = None) -> int:
-    snap = await collect_all(redis, keys, _streams(args), window_s=args.window, jobs_redis=jobs,
-                             hold_warn_s=args.hold_warn)
+async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
+    snap = await collect_all(redis, keys, _streams(args), window_s=args.window, hold_warn_s=args.hold_warn)
     if args.json:
         print(json.dumps(to_json(snap), indent=2))
     else:
@@ -178,15 +173,7 @@ async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, cons
 
 
 async def _show(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
-    """Snapshots, with the rollout job queue read from ``DISTILLQ_JOBS_REDIS_URL`` when that is set."""
-    settings = redis_settings_from_args(args)
-    jobs = connect(settings.model_copy(update={"redis_url": settings.jobs_redis_url})) \
-        if settings.jobs_redis_url else None
-    try:
-        return await (once if args.watch is None else watch)(redis, keys, args, console, jobs)
-    finally:
-        if jobs is not None:
-            await jobs.aclose()
+    return await (once if args.watch is None else watch)(redis, keys, args, console)
 
 
 def main(args: argparse.Namespace) -> int:

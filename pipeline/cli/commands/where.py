@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 async def where(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     w = await locate(redis, keys, args.group_id)
-    found = bool(w.entries or w.markers or w.dropped)
+    found = bool(w.entries or w.markers or w.dropped or w.prompt)
     if args.json:
         print(json.dumps(w.to_json()))
         return 0 if found else 1
@@ -42,6 +42,8 @@ async def where(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> 
         print(f"  {m.stream:<9} dedupe marker ({m.value}), {ttl}")
     if w.dropped is not None:
         print(f"  feeder    dropped: {json.dumps(w.dropped)}")
+    if w.prompt is not None:
+        print(f"  prompt    {', '.join(f'{k} {v}' for k, v in w.prompt.items())}")
     print(w.summary)
     return 0 if found else 1
 

@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for name, module, text in (
         ("teacher", teacher, "score rollout groups with the teacher's top-k logprobs"),
         ("feeder", feeder, "batch scored groups for the learner"),
-        ("rollout", rollout, "sample groups from the student for enqueued prompts (arq jobs)"),
+        ("rollout", rollout, "sample groups from the student for enqueued prompts"),
     ):
         sp = add_command(stages, name, text, STAGE_DESCRIPTIONS[name])
         module.add_arguments(sp)

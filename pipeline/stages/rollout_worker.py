@@ -1,0 +1,186 @@
+"""The rollout worker: prompt entries in (``prompts``, consumer group ``rollout``), one group each out on
+``rollouts``, at least once, under ``WorkerLifecycle`` (heartbeat ``health:rollout:<consumer>``, lease renewal,
+Redis back-off, graceful stop).
+
+Per prompt entry (``max_jobs`` at once): the group is sampled (``RolloutStage.sample``), pushed with backpressure
+(``group_pushed``) and only then is the entry acknowledged and the prompt's record marked ``done``. So:
+
+* a push that waits past ``backpressure_timeout_s`` keeps waiting (``downstream_full``), its entry leased;
+* a stop while sampling or waiting leaves the entry pending: in-flight prompts get ``shutdown_grace_s``, the rest
+  are cancelled and another worker reclaims them after ``claim_idle_ms`` (as a killed worker's are);
+* a sample that raises, or a group that cannot be attributed (``unattributable``), leaves the entry pending and
+  records the error on the prompt's record (``rollout_failed``): it is redelivered after ``claim_idle_ms`` and, on
+  its ``max_deliveries``-th failure, dead-lettered with that error as its reason (``dlq replay`` sends it back);
+* a redelivered prompt whose group was written already (the worker died between push and ack) is acknowledged
+  without sampling; a second push of its group would be a duplicate anyway (the producer dedupes by group id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from pipeline import metrics
+from pipeline.config import StreamSettings
+from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
+from pipeline.stages.rollout_stage import RolloutStage, keep_synced
+from pipeline.transport.connection import TRANSIENT, retry_transient
+from pipeline.transport.consumer import Delivery, StreamConsumer
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import (
+    BackpressureTimeout,
+    MessageTooLarge,
+    ProducerStopped,
+    StreamProducer,
+    is_written,
+)
+from pipeline.transport.prompts import STREAM, BadPrompt, PromptEntry, note
+
+log = structlog.get_logger("distillq.rollout")
+
+
+class RolloutWorker:
+    """``stage`` as a worker: prompts from the namespace's ``prompts`` stream, groups to its ``rollouts`` stream."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        stage: RolloutStage,
+        settings: StreamSettings | None = None,
+        *,
+        consumer_name: str | None = None,
+        shards: int = 1,
+        max_jobs: int = 4,
+        burst: bool = False,
+    ) -> None:
+        self.redis, self.keys, self.stage = redis, keys, stage
+        self.settings = s = settings or StreamSettings()
+        self.name = consumer_name or default_consumer_name("rollout")
+        self.consumer = StreamConsumer(redis, keys, STREAM, self.name, s, stage="rollout")
+        self.producer = StreamProducer(redis, keys, "rollouts", s, shards=shards)
+        self.shards, self.max_jobs, self.burst = shards, max_jobs, burst
+        self.stats = RunStats()
+        self.heartbeat = Heartbeat(redis, keys.heartbeat("rollout", self.name), s.heartbeat_interval_s)
+
+    async def run(self, stop: asyncio.Event) -> RunStats:
+        """Take prompts until ``stop`` (or, with ``burst``, until none is queued or pending)."""
+        s = self.settings
+        await retry_transient(self.consumer.ensure_group, stop=stop)
+        life = WorkerLifecycle("rollout", stop, self.stats, heartbeat=self.heartbeat, leases=self.consumer,
+                               claim_idle_ms=s.claim_idle_ms, grace_s=s.shutdown_grace_s)
+        log.info("stage_started", stage="rollout", consumer=self.name, stream=STREAM, burst=self.burst)
+        try:
+            async with keep_synced(self.stage.synced, stop), life:  # in-flight work drains before the sync stops
+                await self._loop(life, stop)
+                if life.in_flight:
+                    log.info("rollout_worker_draining", grace_s=life.grace_s, in_flight=life.in_flight)
+        finally:
+            log.info("rollout_worker_stopped", groups=self.stats.outcomes["emitted"],
+                     failed=self.stats.outcomes["failed"], outcomes=dict(self.stats.outcomes))
+        return self.stats
+
+    async def _loop(self, life: WorkerLifecycle, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            free = self.max_jobs - life.in_flight
+            if free <= 0:
+                await life.wait_slot()
+                continue
+            try:
+                batch = await self.consumer.read(free, block_ms=200 if self.burst else None)
+                life.ok()
+            except TRANSIENT as e:
+                await life.redis_error(e)
+                continue
+            for d in batch:
+                life.spawn(self._process(d, stop))
+            if not batch and self.burst and not life.in_flight and await self._drained():
+                return
+
+    async def _drained(self) -> bool:
+        try:
+            return await self.consumer.pending_count() == 0 and await self.consumer.backlog() == 0
+        except TRANSIENT:
+            return False
+
+    async def _process(self, d: Delivery, stop: asyncio.Event) -> None:
+        try:
+            with bound_contextvars(stream=STREAM, entry_id=d.entry_id, group_id=d.group_id, deliveries=d.deliveries):
+                await self._one(d, stop)
+        finally:
+            self.consumer.release([d])  # whatever was not acked stays pending, reclaimable
+
+    async def _one(self, d: Delivery, stop: asyncio.Event) -> None:
+        metrics.QUEUE_LAG.labels("rollout").observe(d.age_s)
+        try:
+            entry = PromptEntry.from_fields(d.fields)
+        except BadPrompt as e:
+            metrics.DECODE_ERRORS.labels("rollout").inc()
+            await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"))
+            self._count("dead_letter")
+            return
+        if d.reclaimed and await self._written(entry.group_id):
+            await self._finish(d, entry, "already_emitted")
+            return
+        try:
+            group = await self.stage.sample(entry.job, entry.epoch, entry.group_id)
+        except Exception as e:
+            log.warning("rollout_failed", error=str(e), exc_info=True)
+            await self._failed(d, entry, f"rollout_failed: {type(e).__name__}: {e}")
+            return
+        if group is None:  # counted by the stage too (distillq_unattributed_samples_total)
+            self._count("unattributable")
+            await self._failed(d, entry, "unattributable: the servers' weights changed under every sample")
+            return
+        while True:
+            try:
+                # The reservation is named after the prompt entry: a redelivery after a crash between
+                # reservation and write resumes it instead of waiting for it to expire.
+                added = await self.producer.send(group, stop=stop, token=f"{STREAM}:{d.entry_id}")
+                break
+            except ProducerStopped:
+                return  # stopped while waiting for capacity: pending, another worker samples it again
+            except BackpressureTimeout as e:  # downstream stalled: keep the prompt (leased), keep waiting
+                log.error("downstream_full", stage="rollout", error=str(e))
+            except MessageTooLarge as e:
+                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"output_too_large: {e}"))
+                self._count("dead_letter")
+                return
+        log.info("group_pushed", group_id=group.group_id, policy_version=group.policy_version,
+                 result=added.result.value)
+        await self._finish(d, entry, "emitted" if added.result.value == "added" else "duplicate")
+
+    async def _written(self, gid: str) -> bool:
+        marker = await retry_transient(lambda: self.redis.get(self.keys.seen("rollouts", gid, self.shards)),
+                                       deadline_s=60)
+        return is_written(marker)
+
+    async def _finish(self, d: Delivery, entry: PromptEntry, outcome: str) -> None:
+        """Acknowledge the prompt entry, then mark its record done (a crash in between: redelivered, acked again)."""
+        await self._bookkeep(lambda: self.consumer.ack([d]))
+        await self._bookkeep(lambda: note(self.redis, self.keys, entry, "done", entry.group_id))
+        self._count(outcome)
+
+    async def _failed(self, d: Delivery, entry: PromptEntry, reason: str) -> None:
+        """A sample that failed: recorded and left pending; dead-lettered with its reason on the last delivery."""
+        self._count("failed")
+        if d.deliveries >= self.settings.max_deliveries:
+            why = f"{reason} (delivered {d.deliveries} times)"
+            await self._bookkeep(functools.partial(self.consumer.dead_letter, d, why))
+            self._count("dead_letter")
+        await self._bookkeep(lambda: note(self.redis, self.keys, entry, "error", reason[:500]))
+
+    async def _bookkeep(self, op: Callable[[], Awaitable[object]]) -> None:
+        """Acks, dead letters and record notes: shielded from cancellation and retried over Redis outages."""
+        await asyncio.shield(retry_transient(op, deadline_s=max(30.0, self.settings.shutdown_grace_s)))
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        if outcome not in ("failed", "unattributable"):
+            self.stats.handled += n
+        self.stats.outcomes[outcome] += n
+        metrics.STAGE_MESSAGES.labels("rollout", outcome).inc(n)
