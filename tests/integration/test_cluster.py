@@ -217,26 +217,20 @@ def test_stats_show_per_shard_figures(cluster: LocalCluster, capsys: pytest.Capt
     assert main(["shards", "set", "1", "--redis-url", cluster.url, "--namespace", keys.namespace]) == 1  # not drained
 
 
-def demo_on_cluster(url: str, out: Path, *extra: str, jobs_url: str | None = None,
-                    **env: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("DISTILLQ_REDIS_URL", "DISTILLQ_JOBS_REDIS_URL")}
-    if jobs_url is not None:
-        base["DISTILLQ_JOBS_REDIS_URL"] = jobs_url
+def demo_on_cluster(url: str, out: Path, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != "DISTILLQ_REDIS_URL"}
     return subprocess.run([sys.executable, "-m", "pipeline.cli.main", "demo", "--redis-url", url, "--namespace",
                            "democluster", "--out", str(out), *extra], env={**base, **env}, capture_output=True,
                           text=True, timeout=400, check=False)
 
 
 @pytest.mark.timeout(900)
-def test_demo_on_the_cluster(cluster: LocalCluster, redis_url: str, tmp_path: Path) -> None:
+def test_demo_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    first = demo_on_cluster(cluster.url, out, "--steps", "30")  # the job queue on an embedded single Redis
+    first = demo_on_cluster(cluster.url, out, "--steps", "30")  # prompts and every stream on the cluster
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "rollout job queue (arq, which cannot use Redis Cluster) on an embedded Redis at redis://127.0.0.1:" \
-        in first.stderr
-    second = demo_on_cluster(cluster.url, out, "--steps", "30", jobs_url=redis_url)  # on the given single Redis
+    second = demo_on_cluster(cluster.url, out, "--steps", "30")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"rollout job queue (arq) on {redis_url} (DISTILLQ_JOBS_REDIS_URL)" in second.stderr
     assert "keys an earlier run left in namespace democluster" in second.stderr  # on the cluster, deleted
     assert "replacing the earlier run in" in second.stderr
     for proc in (first, second):
@@ -250,27 +244,30 @@ def test_demo_on_the_cluster(cluster: LocalCluster, redis_url: str, tmp_path: Pa
     for stage in ("rollout", "teacher", "feeder"):
         assert report["stages"][stage]["groups"] > 0
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    assert str(out) not in ps  # every process of both runs (and the embedded job queue) stopped
+    assert str(out) not in ps  # every process of both runs stopped
 
 
-def test_demo_on_the_cluster_says_what_to_set(cluster: LocalCluster, tmp_path: Path) -> None:
-    cases = [
-        ({"jobs_url": cluster.url}, 2, "distillq: DISTILLQ_JOBS_REDIS_URL must be a single Redis: the rollout job "
-                                       "queue (arq) cannot use Redis Cluster"),
-        ({"PATH": str(tmp_path)}, 1, "distillq: the rollout job queue (arq) cannot use Redis Cluster and no "
-                                     "redis-server was found to run it here: set DISTILLQ_JOBS_REDIS_URL to a single "
-                                     "Redis"),
-    ]
-    for env, status, line in cases:
-        proc = demo_on_cluster(cluster.url, tmp_path / "demo", **env)
-        assert proc.returncode == status, proc.stderr
-        assert proc.stderr.strip().splitlines()[-1] == line
-        assert "Traceback" not in proc.stderr
-    base = {k: v for k, v in os.environ.items() if k != "DISTILLQ_JOBS_REDIS_URL"}
-    worker = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "worker", "rollout", "--redis-url",
-                             cluster.url, "--backend", "hf", "--model", str(tmp_path / "no-model")], env=base,
-                            capture_output=True, text=True, timeout=60, check=False)
-    assert worker.returncode == 1
-    assert worker.stderr.strip().splitlines() == [
-        "distillq worker rollout: the rollout job queue (arq) cannot use Redis Cluster: set DISTILLQ_JOBS_REDIS_URL "
-        "to a single Redis (the stage streams stay on the cluster)"]
+def test_prompts_enqueued_and_sampled_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
+    from pipeline.stages.rollout_worker import RolloutWorker
+    from tests.integration.test_rollout_worker import Scripted
+
+    keys = Keys("promptscluster")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"{i}+1="}) + "\n" for i in range(6)))
+    common = ["--redis-url", cluster.url, "--namespace", keys.namespace]
+    assert main(["enqueue", str(prompts), *common]) == 0
+    assert main(["enqueue", str(prompts), *common]) == 0  # idempotent there too
+
+    async def sample() -> list[str]:
+        r = connect(RedisSettings(redis_url=cluster.url))
+        try:
+            worker = RolloutWorker(r, keys, Scripted(fail=frozenset({"p5"})), fast().model_copy(
+                update={"max_deliveries": 2, "claim_idle_ms": 300, "claim_interval_ms": 50}), burst=True)
+            await asyncio.wait_for(worker.run(asyncio.Event()), 60)
+            assert await r.xlen(keys.dlq) == 1
+            return [f[b"gid"].decode() for _, f in await r.xrange(keys.stream("rollouts"))]
+        finally:
+            await r.aclose()
+
+    assert sorted(asyncio.run(sample())) == [f"0:p{i}" for i in range(5)]
+    assert main(["where", "0:p5", *common]) == 0

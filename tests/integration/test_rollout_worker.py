@@ -50,10 +50,11 @@ def fast(**kw: object) -> StreamSettings:
 
 
 class Scripted(RolloutStage):
-    """A stage that samples a synthetic group per prompt; ``fail`` ids raise; ``gate`` (when set) is awaited first."""
+    """A stage that samples a synthetic group (of policy ``version``) per prompt; ``fail`` ids raise; ``gate`` (when
+    set) is awaited first."""
 
-    def __init__(self, fail: frozenset[str] = frozenset(), gate: asyncio.Event | None = None) -> None:
-        self.synced, self.fail, self.gate = None, fail, gate
+    def __init__(self, fail: frozenset[str] = frozenset(), gate: asyncio.Event | None = None, version: int = 0) -> None:
+        self.synced, self.fail, self.gate, self.version = None, fail, gate, version
         self.calls: Counter[str] = Counter()
         self.started = asyncio.Event()
 
@@ -64,7 +65,7 @@ class Scripted(RolloutStage):
             await self.gate.wait()
         if job.id in self.fail:
             raise ValueError(f"no sample for {job.id}")
-        return synthetic_rollout(1, 8, group_id=group_id or f"{epoch}:{job.id}")
+        return synthetic_rollout(1, 8, group_id=group_id or f"{epoch}:{job.id}", policy_version=self.version)
 
 
 async def group_ids(r: aioredis.Redis, keys: Keys) -> list[str]:
