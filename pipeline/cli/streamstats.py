@@ -20,12 +20,14 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from pipeline.stages.liveness import Beat, read_beats, server_time
+from pipeline.stages import liveness
+from pipeline.stages.liveness import Beat, read_beats
 from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys
 from pipeline.transport.sharding import get_shards
 
 #: Most ids counted in the throughput window (the count runs inside Redis, no payload is sent).
 WINDOW_CAP: Final = 100_000
+server_time = liveness.server_time  # the Redis clock (``dlq purge`` reads it here too)
 #: Pending entries read per group (oldest first) to count those delivered more than once.
 PENDING_SAMPLE: Final = 1000
 
