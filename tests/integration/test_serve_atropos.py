@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -813,6 +814,34 @@ def test_request_bodies_above_the_cap_get_413_and_the_server_keeps_serving(redis
         assert http("POST", srv.url + "/scored_data", data=at_cap, headers=plain).json() == RECEIVED
         at_cap_gz = gzip.compress(json.dumps(group(seed=2)).encode().ljust(cap, b" "))
         assert http("POST", srv.url + "/scored_data", data=at_cap_gz, headers=gz).json() == RECEIVED
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_request_body_gets_408_and_the_server_keeps_serving(redis_url: str, keys: Keys) -> None:
+    """Headers and part of a body, then nothing (plain and gzip): 408 once ``body_timeout_s`` passes, and the
+    server closes the connection; a deeply nested body is a 400, as the reference answers it."""
+    cfg = ServeConfig(redis=RedisSettings(redis_url=redis_url, namespace=keys.namespace), streams=FAST,
+                      body_timeout_s=1.0)
+    body = json.dumps([group(seed=1)]).encode()
+    with ThreadedServer(create_app(cfg)) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        for extra, data in ((b"", body), (b"Content-Encoding: gzip\r\n", gzip.compress(body))):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.sendall(b"POST /scored_data_list HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          + extra + b"Content-Length: %d\r\n\r\n" % len(data) + data[:20])
+                t0 = time.monotonic()
+                answer = b""
+                while chunk := s.recv(65536):  # until the server closes it
+                    answer += chunk
+                waited = time.monotonic() - t0
+            assert answer.startswith(b"HTTP/1.1 408") and b"no bytes of it came for 1 s" in answer, answer[:300]
+            assert 0.5 < waited < 10, waited
+        assert http("POST", srv.url + "/scored_data_list", data=body,
+                    headers={"Content-Type": "application/json"}).status_code == 200
+        nested = b"[" * 100_000 + b"]" * 100_000
+        deep = b'[{"tokens": [[1]], "masks": [[1]], "scores": [1], "messages": ' + nested + b"}]"
+        assert http("POST", srv.url + "/scored_data_list", data=deep,
+                    headers={"Content-Type": "application/json"}).status_code == 400
 
 
 async def test_a_reset_waits_for_posts_under_way_and_holds_new_ones() -> None:

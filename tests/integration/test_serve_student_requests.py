@@ -6,6 +6,7 @@ as vLLM cuts them (the tokens returned are the tokens recorded)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 import uuid
@@ -33,12 +34,14 @@ from tests.redis_server import RedisServer
 pytestmark = pytest.mark.redis
 __all__ = ["hf_student"]  # the module-scoped fixture, shared
 MESSAGES = [{"role": "user", "content": "1+2="}]
+BODY_TIMEOUT_S = 2.0  # the module's server: --body-timeout-s
 
 
 @pytest.fixture(scope="module")
 def student(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StudentProcess]:
     ns = f"req{uuid.uuid4().hex[:8]}"
-    with StudentProcess(redis_server.url, ns, tmp_path_factory.mktemp("student"), "--max-body-bytes", "1048576") as p:
+    with StudentProcess(redis_server.url, ns, tmp_path_factory.mktemp("student"), "--max-body-bytes", "1048576",
+                        "--body-timeout-s", str(BODY_TIMEOUT_S)) as p:
         yield p
 
 
@@ -139,6 +142,118 @@ def test_a_body_above_the_cap_is_a_413_and_is_never_read_in_full(student: Studen
         head = s.recv(4096)
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
     assert time.monotonic() - t0 < 100
+
+
+def raw_post(student: StudentProcess, path: str, body: bytes) -> httpx.Response:
+    url = student.base_url.removesuffix("/v1")
+    return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+
+
+def error_of(resp: httpx.Response) -> dict[str, Any]:
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["code"] == 400 and err["type"] == "BadRequestError", resp.text
+    assert f"{err['param']}: " in err["message"], err  # the field, in the message too
+    return dict(err)
+
+
+def test_json_nested_100000_deep_is_a_400_naming_the_field_on_every_route(student: StudentProcess) -> None:
+    deep = "[" * 100_000 + '"x"' + "]" * 100_000
+    chat = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": {deep}}}], "max_tokens": 2}}'
+    generate = f'{{"model": "{MODEL}", "token_ids": {deep}}}'
+    finish = f'{{"task": "t", "group_overrides": {{"a": {deep}}}}}'
+    for path, body, field in [("/v1/chat/completions", chat, "messages[0].content"),
+                              ("/inference/v1/generate", generate, "token_ids"),
+                              ("/sessions/s/finish", finish, "group_overrides.a")]:
+        err = error_of(raw_post(student, path, body.encode()))
+        assert err["param"] == field and "nested more than 64 levels deep" in err["message"], err
+    nested_ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "extra": [[[[1]]]]}], "max_tokens": 1}
+    assert httpx.post(student.base_url + "/chat/completions", json=nested_ok, timeout=60).status_code == 200
+
+
+async def test_max_tokens_beyond_the_context_is_a_400_as_vllm_answers_it(
+    client: openai.AsyncOpenAI, student: StudentProcess
+) -> None:
+    limit = (await client.models.list()).data[0].model_extra["max_model_len"]  # type: ignore[index]
+    for big in (10**9, 2**63):
+        e = await bad_request(client, max_tokens=big)
+        assert param_of(e) == "max_tokens" and f"'max_tokens' or 'max_completion_tokens' is too large: {big}" in (
+            e.message) and f"maximum context length is {limit} tokens" in e.message
+        e = await bad_request(client, extra_body={"max_completion_tokens": big})
+        assert param_of(e) == "max_completion_tokens"
+    prompt = [5] * (limit - 3)
+    async with httpx.AsyncClient(base_url=student.base_url.removesuffix("/v1"), timeout=120) as c:
+        for big in (10**9, 2**63):
+            resp = await c.post("/inference/v1/generate", json=generate_body([1, 3], max_tokens=big))
+            err = error_of(resp)
+            assert err["param"] == "sampling_params.max_tokens" and f"too large: {big}" in err["message"]
+        fits = await c.post("/inference/v1/generate", json=generate_body(prompt, max_tokens=3, stop_token_ids=[]))
+        over = await c.post("/inference/v1/generate", json=generate_body(prompt, max_tokens=4))
+        unset = await c.post("/inference/v1/generate", json={"model": MODEL, "token_ids": prompt})
+    assert fits.status_code == 200 and len(fits.json()["choices"][0]["token_ids"]) == 3
+    err = error_of(over)
+    assert f"your request has {limit - 3} input tokens (4 > {limit} - {limit - 3})" in err["message"]
+    assert unset.status_code == 200  # the server's default max_tokens is clamped to what the context leaves
+    assert len(unset.json()["choices"][0]["token_ids"]) <= 3
+
+
+def test_token_ids_must_be_json_integers(student: StudentProcess) -> None:
+    for body, field in [(b'{"model": "%s", "token_ids": [3.0, true]}', "token_ids.0"),
+                        (b'{"model": "%s", "token_ids": [3, true]}', "token_ids.1"),
+                        (b'{"model": "%s", "token_ids": [3], "sampling_params": {"stop_token_ids": [2.0]}}',
+                         "sampling_params.stop_token_ids.0"),
+                        (b'{"model": "%s", "token_ids": [3], "sampling_params": {"n": true}}', "sampling_params.n")]:
+        err = error_of(raw_post(student, "/inference/v1/generate", body % MODEL.encode()))
+        assert err["param"] == field and "valid integer" in err["message"], err
+    ok = raw_post(student, "/inference/v1/generate", b'{"model": "%s", "token_ids": [3, 1], "sampling_params": '
+                                                     b'{"max_tokens": 1}}' % MODEL.encode())
+    assert ok.status_code == 200 and ok.json()["prompt_token_ids"] == [3, 1]
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(student: StudentProcess) -> None:
+    for path, body, field in [
+        ("/v1/chat/completions", b'{"model": "%s", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}, '
+                                 b'{"role": "user", "content": "a\\ud800b"}]}', "messages[1].content"),
+        ("/v1/chat/completions", b'{"model": "%s", "max_tokens": 1, "stop": ["\\udfff"], "messages": [{"role": '
+                                 b'"user", "content": "a"}]}', "stop[0]"),
+        ("/inference/v1/generate", b'{"model": "%s", "token_ids": [3], "sampling_params": {"stop": "\\ud83d"}}',
+         "sampling_params.stop"),
+    ]:
+        err = error_of(raw_post(student, path, body % MODEL.encode()))
+        assert err["param"] == field and "lone surrogate" in err["message"], err
+    pair = b'{"model": "%s", "max_tokens": 1, "messages": [{"role": "user", "content": "a\\ud83d\\ude00b"}]}'
+    assert raw_post(student, "/v1/chat/completions", pair % MODEL.encode()).status_code == 200  # a pair is text
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_request_body_gets_408_and_the_connection_is_closed(student: StudentProcess) -> None:
+    """Headers and part of the body, then nothing: after ``--body-timeout-s`` the answer is 408 and the server
+    closes the connection; a body sent slowly but steadily is read; the server keeps serving."""
+    body = json.dumps(generate_body([1, 3], max_tokens=1)).encode()
+    head = (b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    with socket.create_connection(("127.0.0.1", student.port), timeout=30) as s:
+        s.sendall(head + body[:10])
+        t0 = time.monotonic()
+        answer = read_until_closed(s)
+        waited = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert BODY_TIMEOUT_S - 0.5 < waited < BODY_TIMEOUT_S + 10, waited  # closed by the server, not our timeout
+    assert b'"code":408' in answer and b"no bytes of it came for 2 s" in answer
+    with socket.create_connection(("127.0.0.1", student.port), timeout=30) as s:
+        s.sendall(head)
+        for i in range(0, len(body), len(body) // 3 + 1):  # each part well within the timeout: read whole
+            time.sleep(BODY_TIMEOUT_S * 0.6)
+            s.sendall(body[i : i + len(body) // 3 + 1])
+        slow = s.recv(65536)
+    assert slow.startswith(b"HTTP/1.1 200"), slow[:200]
+    assert raw_post(student, "/inference/v1/generate", body).status_code == 200
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
 
 
 # ---- stop strings on /inference/v1/generate, as vLLM applies them ----------------------------------------------

@@ -157,7 +157,7 @@ def test_serve_student_flags_keep_their_names_and_defaults() -> None:
         "served_model_name": None, "max_model_len": None, "default_max_tokens": 256, "host": "127.0.0.1",
         "port": 8100, "port_file": None, "group_size": 1, "env_id": 0, "policy_version": 0, "weights_dir": None,
         "weights_sync": "vllm", "session_ttl": 1800.0, "max_sessions": 4096, "max_body_bytes": 33554432,
-        "metrics_port": 0, "api_key_var": None}
+        "body_timeout_s": 30.0, "metrics_port": 0, "api_key_var": None}
     args = student("--served-model-name", "a", "--served-model-name", "b", "--port-file", "p", "--port", "0")
     assert (args.served_model_name, args.port_file, args.port) == (["a", "b"], Path("p"), 0)
     with pytest.raises(argparse.ArgumentError, match="argument --backend: invalid choice 'tgi'"):

@@ -197,6 +197,8 @@ def usage_error(args: argparse.Namespace) -> str | None:
         (args.max_sessions >= 1, "--max-sessions must be >= 1"),
         (args.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
         (math.isfinite(args.session_ttl) and args.session_ttl > 0, "--session-ttl must be a number of seconds > 0"),
+        (math.isfinite(args.body_timeout_s) and args.body_timeout_s > 0,
+         "--body-timeout-s must be a number of seconds > 0"),
         (args.default_max_tokens >= 1, "--default-max-tokens must be >= 1"),
         (args.max_model_len is None or args.max_model_len >= 2, "--max-model-len must be >= 2"),
         (0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}"),

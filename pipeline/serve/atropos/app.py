@@ -4,7 +4,8 @@ The routes (``routes``) answer as atroposlib 0.4.0's server does, path for path 
 shape; the state lives in Redis (``state``, ``queue``), so a restart loses nothing; the
 writers of every process on a namespace are serialized by one lock in Redis (``lock``), so several
 processes may serve one namespace behind a load balancer (``startup``: replicas). A request body
-above ``max_body_bytes`` (as sent or inflated) gets 413. gzip as the reference: request bodies
+above ``max_body_bytes`` (as sent or inflated) gets 413, one that stalls (no bytes for ``body_timeout_s``)
+408. gzip as the reference: request bodies
 with ``Content-Encoding: gzip`` are inflated (400 ``Invalid gzip payload`` if they do not inflate),
 responses of 1,000 bytes or more are compressed when the client accepts gzip (level 1 by default rather
 than the reference's 9: several times faster on multi-megabyte batches, about 10% larger).
@@ -34,21 +35,27 @@ log = structlog.get_logger("distillq.serve.atropos")
 
 
 class GzipRequest:
-    """Every request body read with a size cap, and ``Content-Encoding: gzip`` bodies inflated (the
-    reference's middleware). A body above ``max_bytes`` (as sent, and once inflated) gets 413: the raw bytes
-    are counted as they arrive (past the cap they are read and dropped, so the client gets the answer), and
-    gzip is inflated in a worker thread, member by member, never past the cap."""
+    """Every request body read with a size cap and a read timeout, and ``Content-Encoding: gzip`` bodies
+    inflated (the reference's middleware). A body above ``max_bytes`` (as sent, and once inflated) gets 413:
+    the raw bytes are counted as they arrive (past the cap they are read and dropped, so the client gets the
+    answer), and gzip is inflated in a worker thread, member by member, never past the cap. A body whose next
+    bytes do not come within ``timeout_s`` gets 408 and the connection is closed."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         gzipped = "gzip" in MutableHeaders(scope=scope).get("content-encoding", "").lower()
-        body = await _read_capped(receive, self.max_bytes)
+        body = await _read_capped(receive, self.max_bytes, self.timeout_s)
         if body is _GONE:  # the client left mid-body: nobody to answer
+            return
+        if body is _STALLED:
+            log.warning("request_body_stalled", path=scope.get("path"), timeout_s=self.timeout_s)
+            await PlainTextResponse(stalled_message(self.timeout_s), status_code=408,
+                                    headers={"Connection": "close"})(scope, receive, send)
             return
         if body is None:
             await _too_large(self.max_bytes, "is", scope, receive, send)
@@ -79,15 +86,25 @@ class GzipRequest:
 
 #: What ``_read_capped`` returns when the client disconnects before the body ends.
 _GONE: Final = b"<disconnected>"
+#: What ``_read_capped`` returns when the body's next bytes do not come in time.
+_STALLED: Final = b"<stalled>"
 
 
-async def _read_capped(receive: Receive, limit: int) -> bytes | None:
+def stalled_message(timeout_s: float) -> str:
+    return f"request body incomplete: no bytes of it came for {timeout_s:g} s"
+
+
+async def _read_capped(receive: Receive, limit: int, timeout_s: float | None = None) -> bytes | None:
     """The whole request body, or None when it is longer than ``limit`` bytes (the rest is read and dropped),
-    or ``_GONE``."""
+    or ``_GONE``, or ``_STALLED`` when no part of it comes for ``timeout_s`` seconds (None: no limit)."""
     chunks: list[bytes] = []
     size, more = 0, True
     while more:
-        message = await receive()
+        try:
+            async with asyncio.timeout(timeout_s):
+                message = await receive()
+        except TimeoutError:
+            return _STALLED
         if message["type"] == "http.disconnect":
             return _GONE
         chunk = message.get("body", b"")
@@ -146,7 +163,7 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"],
                        allow_headers=["*"])
     app.add_middleware(GZipMiddleware, minimum_size=1000, compresslevel=config.gzip_level)
-    app.add_middleware(GzipRequest, max_bytes=config.max_body_bytes)
+    app.add_middleware(GzipRequest, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.include_router(router)
     install_handlers(app)
     return app

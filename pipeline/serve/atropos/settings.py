@@ -31,6 +31,11 @@ class AtroposSettings(FlagSettings):
         "share it)"))] = Field(
         "atropos-server", description="consumer name on the scored stream; keep it stable across restarts "
                                       "(replicas may share it)")
+    body_timeout_s: Annotated[float, Flag(to=("ServeConfig",), doc=(
+        "seconds the server waits for the next bytes of a request body; a body that stalls longer gets 408 "
+        "and the connection is closed"))] = Field(
+        30.0, gt=0, allow_inf_nan=False, description="seconds to wait for the next bytes of a request body "
+                                                     "(then 408)")
     gzip_level: Annotated[int, Flag(metavar="1-9", to=("ServeConfig",))] = Field(
         1, ge=1, le=9, description="gzip level of responses (the reference uses 9, several times slower)")
     access_log: bool = Field(False, description="log every request (environments poll at 10 Hz)")

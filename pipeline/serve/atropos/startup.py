@@ -43,6 +43,7 @@ class ServeConfig:
     consumer_name: str = "atropos-server"  # stable: a restarted server gets back what it had read
     gzip_level: int = 1
     max_body_bytes: int = 1 << 30  # a request body above this (as sent, or inflated) is refused with 413
+    body_timeout_s: float = 30.0  # a request body whose next bytes take longer is answered 408
     batch_wait_s: float = 1.0  # how long GET /batch waits when groups being scored would complete a batch
 
 

@@ -17,7 +17,9 @@
 =========================================  ===================================================================
 
 Every inference request carrying ``X-Session-ID`` is recorded in that session's tree-mode tracker.
-A request body above ``max_body_bytes`` is refused with 413 (counted as it arrives, never read in full).
+A request body above ``max_body_bytes`` is refused with 413 (counted as it arrives, never read in full), one
+that stalls (no bytes for ``body_timeout_s``) with 408, one nested more than ``jsonbody.MAX_DEPTH`` levels or
+holding a lone surrogate with 400 naming the field.
 Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``. A malformed body (a missing
 or out-of-range field, invalid JSON) is a 400 naming the field, as vLLM and OpenAI answer it, so an OpenAI
 client (verifiers') raises its ``BadRequestError`` with the reason rather than FastAPI's ``{"detail": [...]}``.
@@ -38,7 +40,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.rollout.openai_types import Stream
-from pipeline.serve.atropos.app import _GONE, _read_capped
+from pipeline.serve.atropos.app import _GONE, _STALLED, _read_capped, stalled_message
+from pipeline.serve.student.jsonbody import body_problem
 from pipeline.serve.student.service import (
     FinishRequest,
     GenerateRequest,
@@ -55,23 +58,39 @@ SESSION_HEADER = "X-Session-ID"
 MAX_BODY_BYTES = 32 << 20
 
 
-class BodyCap:
-    """Every request body read with a size cap: above ``max_bytes`` the answer is 413 in the OpenAI shape (the
-    rest of the body is read and dropped as it arrives, so the client gets the answer)."""
+#: The default wait for the next bytes of a request body (``--body-timeout-s``).
+BODY_TIMEOUT_S = 30.0
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyCap:
+    """Every request body read with a size cap and a read timeout, and checked for what no field's own check
+    sees (``jsonbody``), each refusal in the OpenAI shape: above ``max_bytes`` 413 (the rest of the body is
+    read and dropped as it arrives, so the client gets the answer); no bytes of it for ``timeout_s`` 408 (and
+    the connection closed); nested too deep or holding a lone surrogate 400 naming the field."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        body = await _read_capped(receive, self.max_bytes)
+        body = await _read_capped(receive, self.max_bytes, self.timeout_s)
         if body is _GONE:
+            return
+        if body is _STALLED:
+            log.warning("student.request_body_stalled", path=scope.get("path"), timeout_s=self.timeout_s)
+            err = ServeError(408, stalled_message(self.timeout_s), "RequestTimeout")
+            await JSONResponse(err.body(), status_code=408, headers={"Connection": "close"})(scope, receive, send)
             return
         if body is None:
             err = ServeError(413, f"request body is more than {self.max_bytes} bytes", "RequestTooLarge")
             await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            return
+        problem = body_problem(body)
+        if problem is not None:
+            err = ServeError(400, f"invalid request: {problem}", param=problem.field)
+            await JSONResponse(err.body(), status_code=400)(scope, receive, send)
             return
         sent = False
 
@@ -91,10 +110,11 @@ def create_app(
     maintain_every_s: float = 10.0,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The app; a background task runs ``service.maintain`` every ``maintain_every_s`` seconds. With
     ``api_key``, every route but ``/health`` wants ``Authorization: Bearer <api_key>`` (else 401). A request
-    body above ``max_body_bytes`` gets 413."""
+    body above ``max_body_bytes`` gets 413, one whose next bytes take more than ``body_timeout_s`` 408."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -138,7 +158,7 @@ def create_app(
             response: Response = await call_next(request)
             return response
 
-    app.add_middleware(BodyCap, max_bytes=max_body_bytes)
+    app.add_middleware(BodyCap, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     _inference_routes(app, service)
     _session_routes(app, service)
     return app
@@ -225,6 +245,8 @@ async def _json_object(request: Request) -> dict[str, Any]:
         body = await request.json()
     except ValueError as e:
         raise ServeError(400, f"request body is not JSON: {e}") from e
+    except RecursionError as e:  # BodyCap refuses deep bodies first: a parser deeper than its scan
+        raise ServeError(400, "request body is nested too deep", param="body") from e
     if not isinstance(body, dict):
         raise ServeError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -24,7 +24,7 @@ import jinja2
 import msgspec
 import numpy as np
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from pipeline.errors import ApiError
 from pipeline.metrics import UNATTRIBUTED_SAMPLES
@@ -34,7 +34,14 @@ from pipeline.rollout.students.base import Completion, StudentBackend, StudentBa
 from pipeline.rollout.tracker import Tracker
 from pipeline.rollout.weight_sync import attribute, attribution
 from pipeline.serve.student.sessions import FinishedRollout, GroupAssembler, GroupSpec, SessionStore
-from pipeline.serve.student.validation import MAX_N, RequestError, check_chat, check_stop
+from pipeline.serve.student.validation import (
+    MAX_N,
+    RequestError,
+    check_chat,
+    check_max_tokens,
+    check_stop,
+    requested_max_tokens,
+)
 from schemas import DecodeError, RolloutGroup
 
 log = structlog.get_logger(__name__)
@@ -72,10 +79,10 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="allow")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    max_tokens: StrictInt | None = Field(None, ge=0)  # integers as JSON writes them: not 3.0, not true
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    seed: StrictInt | None = None
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
     stop: str | list[str] | None = None  # applied as vLLM does (pipeline.rollout.stop_strings)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # the sampled token's logprob is always returned; no top candidates
@@ -84,7 +91,7 @@ class SamplingParams(BaseModel):
 
 class GenerateRequest(BaseModel):
     model: str
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: list[StrictInt] = Field(min_length=1)  # JSON integers: 3.0 and true are refused, not read as 3, 1
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
 
 
@@ -120,8 +127,10 @@ class ServeConfig:
 
 
 class ServedBackend:
-    """The backend as served: prompts within the context (``max_tokens`` clamped to what is left, as vLLM
-    does), logprobs rounded to float32 (what the wire format stores)."""
+    """The backend as served: prompts within the context, ``max_tokens`` checked against it as vLLM checks it
+    when the request set it (``validation.requested_max_tokens``: prompt + max_tokens above the context is a
+    400 naming the field) and otherwise (the server's default) clamped to what is left; logprobs rounded to
+    float32 (what the wire format stores)."""
 
     def __init__(self, backend: StudentBackend, max_model_len: int) -> None:
         self.backend = backend
@@ -141,6 +150,7 @@ class ServedBackend:
                 f"This model's maximum context length is {limit} tokens. However, your request has "
                 f"{len(prompt_ids)} input tokens."
             )
+        check_max_tokens(len(prompt_ids), max_tokens, limit)
         out = await self.backend.generate(prompt_ids, max_tokens=min(max_tokens, limit - len(prompt_ids)), **kw)
         return [Completion(c.token_ids, np.asarray(c.logprobs, np.float32).tolist(), c.finish_reason, c.stop_reason)
                 for c in out]
@@ -212,12 +222,15 @@ class StudentService:
             stop_kw = {"stop": stop, "include_stop_str_in_output": sp.include_stop_str_in_output,
                        "skip_special_tokens": sp.skip_special_tokens}
             opts.update(stop=stop, include_stop_str_in_output=sp.include_stop_str_in_output)
+        asked = "sampling_params.max_tokens" if sp.max_tokens is not None else None
         try:
-            with attribution() as seen:
+            with attribution() as seen, requested_max_tokens(asked):
                 comps = await self.backend.generate(
                     prompt, n=sp.n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                     stop_token_ids=sp.stop_token_ids, seed=sp.seed, **stop_kw,
                 )  # fmt: skip
+        except RequestError as e:
+            raise ServeError(400, e.message, param=e.param) from e
         except ValueError as e:
             raise ServeError(400, str(e)) from e
         except StudentBackendError as e:
@@ -274,12 +287,15 @@ class StudentService:
             raise ServeError(400, f"unsupported sampling options: {', '.join(sorted(bad))}")
         client = self._chat_client(session_id)
         n_before = client.tracker.stats.requests
+        asked = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
         try:
-            with attribution() as seen:
+            with attribution() as seen, requested_max_tokens(asked):
                 out = await client.chat.completions.create(
                     messages=messages, model=str(body["model"]), stream=bool(body.get("stream")), **kwargs
                 )
             self._versions(session_id, seen)
+        except RequestError as e:
+            raise ServeError(400, e.message, param=e.param) from e
         except StudentBackendError as e:
             raise ServeError(502, str(e), "BackendError") from e
         except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:

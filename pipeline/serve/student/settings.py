@@ -79,6 +79,10 @@ class StudentServeSettings(FlagSettings):
     max_body_bytes: Annotated[int, Flag(default_text="33554432 (32 MiB)", to=("create_app",), doc=(
         "request bodies above this get 413 (at least 1024)"))] = Field(
         32 << 20, description="request bodies above this many bytes are refused with 413")
+    body_timeout_s: Annotated[float, Flag(to=("create_app",), doc=(
+        "seconds the server waits for the next bytes of a request body; a body that stalls longer gets 408 and "
+        "the connection is closed"))] = Field(
+        30.0, description="seconds to wait for the next bytes of a request body (then 408)")
     metrics_port: Annotated[int, Flag(default_text="0 (off)", doc="Prometheus `/metrics` port")] = Field(
         0, description="Prometheus /metrics port")
     api_key_var: Annotated[str | None, Flag(metavar="VAR", default_text="none, no key", doc=(

@@ -9,11 +9,17 @@ naming the field (``param``), as OpenAI and vLLM answer it, never an exception's
   ``stream`` booleans, ``stop_token_ids`` a list of integers.
 * ``top_logprobs``: only 0 (or none). The backends return the sampled token's logprob, not the
   candidates, so a request for candidates is refused rather than answered with empty lists.
+* ``max_tokens`` (``max_completion_tokens``, ``sampling_params.max_tokens``) set by the request: prompt tokens
+  plus ``max_tokens`` within the model's context, vLLM's rule and wording (``check_max_tokens``, once the
+  prompt is tokenized; ``requested_max_tokens`` says which field the request set).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any, Final
 
 from pipeline.errors import ApiError
@@ -59,6 +65,30 @@ def check_stop(v: Any, param: str = "stop") -> list[str]:
     if len(items) > MAX_STOP:
         raise RequestError(param, f"at most {MAX_STOP} stop strings, got {len(items)}")
     return [s for s in items if s]
+
+
+#: The ``max_tokens`` field the request under way set itself (None: it set none, the server's default applies).
+_REQUESTED_MAX_TOKENS: ContextVar[str | None] = ContextVar("requested_max_tokens", default=None)
+
+
+@contextlib.contextmanager
+def requested_max_tokens(param: str | None) -> Iterator[None]:
+    """While sampling for a request: ``param``, the field that set ``max_tokens`` (None: the server's default,
+    which ``check_max_tokens`` lets the caller clamp to what the context leaves)."""
+    token = _REQUESTED_MAX_TOKENS.set(param)
+    try:
+        yield
+    finally:
+        _REQUESTED_MAX_TOKENS.reset(token)
+
+
+def check_max_tokens(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """As vLLM: a ``max_tokens`` the request set that does not fit the context beside the prompt is a 400."""
+    param = _REQUESTED_MAX_TOKENS.get()
+    if param is not None and prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(param, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                                  f"maximum context length is {max_model_len} tokens and your request has "
+                                  f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})")
 
 
 def check_messages(messages: Any) -> None:
