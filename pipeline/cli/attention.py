@@ -179,7 +179,7 @@ def _one_worker(w: WorkerStats) -> list[str]:
     if w.problem:
         out.append(f"{w.stage} {w.consumer}: {w.problem}")
     if w.slow:
-        out.append(f"{w.stage} {w.consumer} is slow but alive: {w.slow}")
+        out.append(f"{w.stage} {w.consumer}: {w.slow} (slow but alive, not unreachable)")
     invalid = w.drops.get("invalid_logprobs", 0)
     if invalid:
         out.append(f"{w.stage} {w.consumer} got invalid teacher values for {invalid} group(s) (NaN, infinity, above 0 "
