@@ -19,6 +19,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     MasterDownError,
+    OutOfMemoryError,
     RedisClusterException,
     ResponseError,
     TryAgainError,
@@ -147,9 +148,10 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
 
 
 def is_redis_full(exc: BaseException) -> bool:
-    """Whether ``exc`` is Redis refusing a write at ``maxmemory`` under ``noeviction`` (``OOM command not
-    allowed when used memory > 'maxmemory'``, also inside a script or a transaction)."""
-    return isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc)
+    """Whether ``exc`` is Redis refusing a write at ``maxmemory`` under ``noeviction`` (``-OOM command not
+    allowed when used memory > 'maxmemory'``, also inside a script, a pipeline or a transaction)."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and "used memory > 'maxmemory'" in str(exc))
 
 
 def is_nogroup(exc: BaseException) -> bool:

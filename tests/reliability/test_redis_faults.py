@@ -1,0 +1,178 @@
+"""Redis-side faults the workers and the learner client ride out, each named: Redis restarted *without* its
+data, a consumer group destroyed by hand, Redis at ``maxmemory``.
+
+Teacher and feeder run as real worker processes; the learner is an ``AsyncLearner`` driven by a plain loop
+that catches nothing, so any error it let through would fail the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.learner.client import AsyncLearner
+from pipeline.transport import incidents
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
+from schemas.build import synthetic_rollout
+from tests.redis_server import RedisServer
+from tests.reliability.harness import OPEN, Workers, fast_settings, redis_client, report, wait_until
+
+pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(150)]
+
+
+class BareLearner:
+    """An ``AsyncLearner`` loop that records group ids and acks each batch; it catches nothing."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.client = AsyncLearner(url, namespace=namespace, settings=fast_settings())
+        OPEN.append(self.client)
+        self.groups: set[str] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            b = await self.client.next_batch(timeout_s=0.2)
+            if b is None:
+                continue
+            self.groups.update(g.group_id for g in b.batch.groups)
+            await self.client.ack(b)
+
+
+class Pipeline:
+    """A teacher and a feeder process, a bare learner and a producer of rollouts on one private Redis."""
+
+    def __init__(self, server: RedisServer, namespace: str, tmp_path: Path) -> None:
+        self.server, self.keys = server, Keys(namespace)
+        self.workers = Workers(server.url, namespace, tmp_path)
+        self.learner = BareLearner(server.url, namespace)
+        self.stop = asyncio.Event()
+        self.r = redis_client(server.url)
+        self.producer = StreamProducer(self.r, self.keys, "rollouts", fast_settings(backpressure_timeout_s=120))
+        self.teacher = self.workers.teacher("t1")
+        self.feeder = self.workers.feeder("f1")
+        self.learning = asyncio.create_task(self.learner.run(self.stop))
+
+    async def push(self, prefix: str, n: int, length: int = 9) -> list[str]:
+        ids = [f"{prefix}{i}" for i in range(n)]
+        for i, gid in enumerate(ids):
+            await self.producer.send(synthetic_rollout(2, length, prompt_len=3, group_id=gid, seed=i))
+        return ids
+
+    async def arrived(self, ids: list[str], timeout_s: float) -> bool:
+        async def all_in() -> bool:
+            if self.learning.done():
+                self.learning.result()  # the learner's error, if it died
+            return set(ids) <= self.learner.groups
+        return await wait_until(all_in, timeout_s)
+
+    async def close(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.learning, 10)
+        self.workers.close()
+
+
+def events(log: str, name: str) -> list[dict[str, Any]]:
+    out = []
+    for line in log.splitlines():
+        with contextlib.suppress(ValueError):
+            e = json.loads(line)
+            if isinstance(e, dict) and e.get("event") == name:
+                out.append(e)
+    return out
+
+
+async def test_redis_restarted_without_its_data_is_ridden_out_and_named_once(namespace: str, tmp_path: Path) -> None:
+    server = RedisServer().start()  # no RDB, no AOF: a restart comes back empty
+    p = Pipeline(server, namespace, tmp_path)
+    try:
+        before = await p.push("before", 6)
+        assert await p.arrived(before, 60), p.teacher.log_text()[-2000:]
+        await asyncio.to_thread(server.restart)
+        t0 = time.monotonic()
+        after = await p.push("after", 6)
+        assert await p.arrived(after, 60), (p.teacher.log_text()[-2000:], p.feeder.log_text()[-2000:])
+        recovered_s = time.monotonic() - t0
+        assert p.teacher.alive and p.feeder.alive and not p.learning.done()
+        named = await incidents.recent(p.r, p.keys)
+        kinds = [i.kind for i in named]
+        report("redis_restarted_empty", recovered_s=recovered_s, incidents=",".join(kinds))
+        assert kinds.count("redis_data_lost") == 1, named  # three consumers noticed; one names it
+        lost = next(i for i in named if i.kind == "redis_data_lost")
+        assert namespace in lost.text and "without persistence" in lost.text
+        assert "group_destroyed" not in kinds  # a lost namespace is not mistaken for a group destroyed by hand
+        for proc in (p.teacher, p.feeder):
+            (e, *_) = events(proc.log_text(), "consumer_group_recreated")
+            assert e["data"] in ("lost", "lost_here") and e["level"] == "warning"
+    finally:
+        await p.close()
+        server.stop()
+
+
+async def test_a_consumer_group_destroyed_by_hand_is_created_again(namespace: str, tmp_path: Path) -> None:
+    server = RedisServer().start()
+    p = Pipeline(server, namespace, tmp_path)
+    try:
+        first = await p.push("first", 4)
+        assert await p.arrived(first, 60)
+        assert await p.r.xgroup_destroy(p.keys.stream("rollouts"), p.keys.consumer_group("rollouts")) == 1
+        second = await p.push("second", 4)
+        assert await p.arrived(second, 60), p.teacher.log_text()[-2000:]
+        assert p.teacher.alive and p.teacher.popen is not None and p.teacher.popen.poll() is None
+        named = await incidents.recent(p.r, p.keys)
+        (destroyed,) = [i for i in named if i.kind == "group_destroyed"]
+        assert destroyed.text.startswith(f"consumer group teacher of stream {p.keys.stream('rollouts')} was gone")
+        assert destroyed.writer == "t1" and "redis_data_lost" not in [i.kind for i in named]
+        (e,) = events(p.teacher.log_text(), "consumer_group_recreated")
+        assert e["data"] == "same" and e["created_here"] is True and "NOGROUP" in e["error"]
+    finally:
+        await p.close()
+        server.stop()
+
+
+async def test_redis_at_maxmemory_is_backpressure_with_its_cause_named_not_dead_letters(
+    namespace: str, tmp_path: Path
+) -> None:
+    server = RedisServer(extra_args=["--maxmemory-policy", "noeviction"]).start()
+    p = Pipeline(server, namespace, tmp_path)
+    try:
+        warm = await p.push("warm", 3)
+        assert await p.arrived(warm, 60)
+        os.kill(p.teacher.pid, signal.SIGSTOP)  # the next groups wait for it, unread
+        # Long enough that each scored group is claim-checked with its payload SET on its own (>32 KiB): a
+        # plain write, refused at maxmemory (a flagless script whose first write needs no memory is not).
+        held = await p.push("held", 5, length=400)
+        used = int((await p.r.info("memory"))["used_memory"])
+        await p.r.config_set("maxmemory", str(used // 2))  # full: every write that needs memory is refused
+        os.kill(p.teacher.pid, signal.SIGCONT)
+        # Long enough for every entry to be reclaimed max_deliveries (5) times over at claim_idle_ms = 1 s,
+        # if a refused write counted as a failed delivery.
+        await asyncio.sleep(8.0)
+        full_log = p.teacher.log_text()
+        waits = events(full_log, "redis_full")
+        assert waits, full_log[-3000:]
+        assert any(("maxmemory" in e.get("reason", "") and "used" in e.get("reason", ""))  # the producer's wait
+                   or ("maxmemory" in e and "used_memory" in e) for e in waits), waits  # a bookkeeping write's
+        assert await p.r.xlen(p.keys.dlq) == 0
+        assert not events(full_log, "batch_failed") and not events(full_log, "dead_lettered")
+        pending: Any = await p.r.xpending_range(p.keys.stream("rollouts"), "teacher", "-", "+", 100)
+        assert pending and all(int(x["times_delivered"]) == 1 for x in pending), pending  # never redelivered
+        await p.r.config_set("maxmemory", "0")  # memory freed: the pipeline resumes by itself
+        t0 = time.monotonic()
+        assert await p.arrived(held, 60), p.teacher.log_text()[-2000:]
+        report("redis_at_maxmemory", full_waits_logged=len(waits), resumed_s=time.monotonic() - t0,
+               dead_letters=await p.r.xlen(p.keys.dlq))
+        assert await p.r.xlen(p.keys.dlq) == 0 and p.teacher.alive and p.feeder.alive
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.teacher.pid, signal.SIGCONT)
+        await p.close()
+        server.stop()
