@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run_soak(cfg)
     print(f"SOAK workdir={result.workdir}")
     for f in result.faults:
-        print(f"FAULT {f.kind} recovery_s={f.recovery_s} {f.note}")
+        print(f"FAULT +{f.start - result.started:.0f}s {f.kind} ({f.end - f.start:.1f} s) recovery_s={f.recovery_s} "
+              f"{f.note}")
     print(result.summary())
     return 1 if result.violations else 0
 

@@ -22,9 +22,12 @@ process in ``ns:incidents`` (the Redis-loss line); the prompts enqueued before i
 trained nor dead-lettered are the ones lost in the reset, and are enqueued again (``distillq enqueue``, same
 epoch) and must then be trained. The invariant (``SoakResult.violations`` empty):
 
-* every enqueued prompt is trained exactly once, or never trained and dead-lettered with its reason;
+* every enqueued prompt is trained exactly once, or never trained and dead-lettered with its reason, and that
+  reason is one the faults justify (``justified``: the teacher's bad values), unless the prompt was unfinished
+  when Redis lost its data;
 * the prompts lost in the reset were all unfinished (not trained, not dead-lettered) when Redis lost its data,
-  an incident names the loss, and its count (``N entries``) covers them;
+  an incident recorded after it names the loss (kind ``*lost*`` or ``*reset*``), and where incidents give a
+  count (``N entries`` in the text, ``*lost*`` integer fields) it covers them;
 * no group is trained twice; nothing unknown is trained;
 * no batch carries a teacher value that is non-finite, above 0 or at/below -1000 (``soak_learner.FLOOR``).
 
@@ -116,6 +119,7 @@ class SoakResult:
     faults: list[Fault]
     exits: list[Exit]
     workdir: Path
+    started: float  # time.time() at the start
 
     def summary(self) -> str:
         lines = [f"{k}={v}" for k, v in self.figures.items()]
@@ -189,6 +193,22 @@ class LearnerRecord:
         return out
 
 
+def justified(reason: str) -> bool:
+    """Whether a dead letter's reason is one a fault of the soak justifies outside the Redis reset: only the
+    teacher's bad values (``invalid_logprobs``). A kill, a restart on the AOF, Redis at maxmemory, a learner
+    pause or a torn version must dead-letter nothing."""
+    return "invalid_logprobs" in reason
+
+
+def loss_counts(incident: dict[str, str]) -> list[int]:
+    """The numbers of lost entries an incident names: ``N entries`` in its text, ``*lost*`` integer fields."""
+    out = [int(n) for n in re.findall(r"(\d+) entr", incident.get("text", ""))]
+    with contextlib.suppress(ValueError, AttributeError):
+        fields = json.loads(incident.get("fields") or "{}")
+        out += [v for k, v in fields.items() if "lost" in k and isinstance(v, int) and not isinstance(v, bool)]
+    return out
+
+
 class Soak:
     def __init__(self, cfg: SoakConfig) -> None:
         self.cfg = cfg
@@ -221,6 +241,7 @@ class Soak:
         self.reenqueued: list[str] = []
         self.procs: dict[str, WorkerProc] = {}
         self.r: aioredis.Redis | None = None
+        self.started = time.time()
 
     # ----- processes -----
 
@@ -405,8 +426,22 @@ class Soak:
         version = max([int(await self.r.get(self.keys.policy_version) or 0), *published_versions(self.weights)]) + 1
         while (self.weights / folder_name(version)).exists():  # never into a folder the learner wrote
             version += 1
-        log = self.procs["rollout"]
+        log, learner = self.procs["rollout"], self.procs["learner"]
         seen_before = log.log_text().count("checkpoint_not_loadable")
+        # The learner is held while the torn version is the newest: its next publish would replace it at once.
+        held = learner.alive
+        if held:
+            self.down.add("learner")
+            os.kill(learner.pid, signal.SIGSTOP)
+        try:
+            return await self._tear(version, log, seen_before)
+        finally:
+            if held:
+                os.kill(learner.pid, signal.SIGCONT)
+                self.down.discard("learner")
+
+    async def _tear(self, version: int, log: WorkerProc, seen_before: int) -> str:
+        assert self.r is not None
         torn = self.weights / folder_name(version)
         torn.mkdir(parents=True)
         src = Path(self.student)
@@ -416,11 +451,11 @@ class Soak:
         tmp.write_text(json.dumps({"version": version, "folder": torn.name}))
         tmp.replace(self.weights / LATEST)
         await self.r.set(self.keys.policy_version, version)
-        for _ in range(40):
+        for _ in range(32):
             if log.log_text().count("checkpoint_not_loadable") > seen_before:
                 return f"version {version}: refused (checkpoint_not_loadable)"
             await asyncio.sleep(0.25)
-        return f"version {version}: no checkpoint_not_loadable logged within 10 s"
+        return f"version {version}: no checkpoint_not_loadable logged within 8 s"
 
     async def _teacher_sentinel(self) -> str:
         before = self.stub.sentinel_answers
@@ -456,6 +491,7 @@ class Soak:
 
     async def run(self) -> SoakResult:
         t_start = time.monotonic()
+        self.started = time.time()
         deadline = t_start + self.cfg.seconds
         await asyncio.to_thread(self.server.start)
         await self.stub.start()
@@ -514,15 +550,22 @@ class Soak:
         if bad:
             violations.append(f"bad teacher values reached {len({b[0] for b in bad})} batches "
                               f"({len(bad)} groups), e.g. {bad[:3]}")
-        reset_lines = [i for i in self.incidents if float(i.get("ts") or 0) >= self.wipe_at > 0]
-        named = sum(int(n) for i in reset_lines for n in re.findall(r"(\d+) entr", i.get("text", "")))
+        unjustified = Counter(r.split(":", 1)[0] for g, rs in self.dead.items() if g not in trained
+                              and g not in self.at_risk for r in rs[:1] if not justified(r))
+        if unjustified:
+            violations.append(f"dead-lettered by faults that must lose nothing: {dict(unjustified)}, e.g. "
+                              f"{[(g, rs[0][:160]) for g, rs in self.dead.items() if not justified(rs[0])][:3]}")
+        reset_lines = [i for i in self.incidents if float(i.get("ts") or 0) >= self.wipe_at > 0
+                       and re.search("lost|reset", i.get("kind", ""))]
+        counts = [n for i in reset_lines for n in loss_counts(i)]
+        named = sum(counts) if counts else None
         if self.reenqueued:
             outside = sorted(set(self.reenqueued) - self.at_risk)
             if outside:
                 violations.append(f"lost outside the reset (finished or not yet enqueued at it): {outside[:8]}")
             if not reset_lines:
                 violations.append(f"{len(self.reenqueued)} prompts lost in the reset, and no incident names it")
-            elif len(self.reenqueued) > named:
+            elif named is not None and len(self.reenqueued) > named:
                 violations.append(f"{len(self.reenqueued)} prompts lost in the reset, the incidents name {named} "
                                   f"entries: {[i.get('text') for i in reset_lines][:3]}")
         latency = [trained[g][0] - t for g, t in self.enqueued.items() if g in trained]
@@ -554,7 +597,7 @@ class Soak:
             "recovery_s": ",".join(f"{k}:{statistics.median(v):.1f}/{max(v):.1f}" for k, v in rec_by_kind.items()),
             "learner_restarts": len(self.record.starts) - 1,
         }
-        return SoakResult(figures, violations, self.faults, self.exits, self.dir)
+        return SoakResult(figures, violations, self.faults, self.exits, self.dir, self.started)
 
 
 def run_soak(cfg: SoakConfig) -> SoakResult:

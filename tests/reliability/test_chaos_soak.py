@@ -1,22 +1,61 @@
 """The chaos soak, CI's 5-minute variant (seed fixed): the whole pipeline, every fault kind of
 ``tests.reliability.chaos.KINDS`` injected at least once, and the soak's invariant asserted (every prompt
 trained exactly once or dead-lettered with its reason, the Redis reset's loss named and covered, no group
-trained twice, no bad teacher value in a batch). ``python -m bench.soak --minutes 60`` runs the long one."""
+trained twice, no bad teacher value in a batch). ``python -m bench.soak --minutes 60`` runs the long one.
+The driver's own parts (schedule, learner record) are checked first, quickly."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from tests.reliability.chaos import KINDS, Soak, SoakConfig
+from bench.soak import main as soak_main
+from tests.reliability.chaos import KINDS, LearnerRecord, Soak, SoakConfig, schedule
 from tests.reliability.harness import report
-
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(420)]
 
 SEED = 20261126
 
 
+def test_schedule_is_reproducible_and_has_every_kind_with_one_reset_in_the_middle() -> None:
+    cfg = SoakConfig(seconds=300, seed=SEED)
+    plan = schedule(cfg)
+    assert plan == schedule(SoakConfig(seconds=300, seed=SEED)) != schedule(SoakConfig(seconds=300, seed=SEED + 1))
+    kinds = [k for _, k in plan]
+    assert set(kinds) == set(KINDS) and kinds.count("redis_wipe") == 1
+    assert kinds.index("redis_wipe") == len(kinds) // 2
+    times = [t for t, _ in plan]
+    assert times == sorted(times) and times[0] > 0 and times[-1] < cfg.fault_phase_s
+    long = [k for _, k in schedule(SoakConfig(seconds=3600, seed=SEED))]
+    assert len(long) > 200 and long.count("redis_wipe") == 1
+
+
+def test_learner_record_counts_only_steps_a_restart_kept(tmp_path: Path) -> None:
+    """Step 3 was recorded, then the learner died before its checkpoint: the restart restored step 2, so
+    step 3's group was trained once (by the step recorded after the restart), not twice."""
+    lines = [{"t": 1, "event": "start", "step": 0}, {"t": 2, "event": "step", "step": 1, "groups": ["a"]},
+             {"t": 3, "event": "step", "step": 2, "groups": ["b"]},
+             {"t": 4, "event": "step", "step": 3, "groups": ["c"]},
+             {"t": 5, "event": "start", "step": 2}, {"t": 6, "event": "step", "step": 3, "groups": ["c"]},
+             {"t": 7, "event": "step", "step": 4, "groups": ["b"]}]
+    path = tmp_path / "learner.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"t": 8, "event": "st')  # a torn last line
+    rec = LearnerRecord(path)
+    rec.poll()
+    assert rec.trained() == {"a": [2], "b": [3, 7], "c": [6]}  # b twice: a duplicate the soak reports
+
+
+def test_bench_soak_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        soak_main(["--help"])
+    assert e.value.code == 0 and "--minutes" in capsys.readouterr().out
+
+
+@pytest.mark.reliability
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 async def test_chaos_soak_keeps_its_invariant(tmp_path: Path) -> None:
     result = await Soak(SoakConfig(seconds=300, seed=SEED, workdir=tmp_path)).run()
     report("chaos_soak", **result.figures)
