@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.exceptions import ResponseError
 
 from pipeline.learner.client import AsyncLearner
 from pipeline.transport import incidents
@@ -49,14 +50,14 @@ class BareLearner:
 class Pipeline:
     """A teacher and a feeder process, a bare learner and a producer of rollouts on one private Redis."""
 
-    def __init__(self, server: RedisServer, namespace: str, tmp_path: Path) -> None:
+    def __init__(self, server: RedisServer, namespace: str, tmp_path: Path, *teacher_args: str) -> None:
         self.server, self.keys = server, Keys(namespace)
         self.workers = Workers(server.url, namespace, tmp_path)
         self.learner = BareLearner(server.url, namespace)
         self.stop = asyncio.Event()
         self.r = redis_client(server.url)
         self.producer = StreamProducer(self.r, self.keys, "rollouts", fast_settings(backpressure_timeout_s=120))
-        self.teacher = self.workers.teacher("t1")
+        self.teacher = self.workers.teacher("t1", *teacher_args)
         self.feeder = self.workers.feeder("f1")
         self.learning = asyncio.create_task(self.learner.run(self.stop))
 
@@ -112,6 +113,53 @@ async def test_redis_restarted_without_its_data_is_ridden_out_and_named_once(nam
         for proc in (p.teacher, p.feeder):
             (e, *_) = events(proc.log_text(), "consumer_group_recreated")
             assert e["data"] in ("lost", "lost_here") and e["level"] == "warning"
+    finally:
+        await p.close()
+        server.stop()
+
+
+async def test_entries_a_worker_held_when_redis_lost_its_data_are_named(namespace: str, tmp_path: Path) -> None:
+    server = RedisServer().start()
+    p = Pipeline(server, namespace, tmp_path, "--synthetic-latency", "3")  # each call holds its groups 3 s
+    try:
+        await p.push("held", 3)
+        key = p.keys.stream("rollouts")
+
+        async def in_flight() -> bool:
+            with contextlib.suppress(ResponseError):  # NOGROUP until the teacher has created its group
+                return int((await p.r.xpending(key, "teacher"))["pending"]) == 3
+            return False
+        assert await wait_until(in_flight, 30)
+        await asyncio.to_thread(server.restart)  # empty: the three entries the teacher holds are gone
+        after = await p.push("after", 3)
+        assert await p.arrived(after, 60), p.teacher.log_text()[-2000:]
+        named = await incidents.recent(p.r, p.keys)
+        (reset,) = [i for i in named if i.kind == "stream_reset"]
+        assert reset.text == f"stream {key} was reset: 3 entries pending before are gone", reset
+        assert reset.writer == "t1" and reset.fields["entries"] == 3
+        assert [i.kind for i in named].count("redis_data_lost") == 1
+        assert p.teacher.alive and p.feeder.alive
+    finally:
+        await p.close()
+        server.stop()
+
+
+async def test_every_connection_dropped_at_once_like_a_failover_is_ridden_out(namespace: str, tmp_path: Path) -> None:
+    """A failover cuts every client's connections (in-flight commands included: redis-py re-sends none of
+    them, distillq's own retries take over); nothing is lost, nothing is named as lost."""
+    server = RedisServer().start()
+    p = Pipeline(server, namespace, tmp_path)
+    try:
+        ids = await p.push("warm", 2)
+        assert await p.arrived(ids, 60)  # every process is connected
+        for round_ in range(3):
+            ids += await p.push(f"r{round_}-", 4)
+            killed = await p.r.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            assert int(killed) >= 3  # the teacher's, the feeder's and the learner's connections at least
+            await asyncio.sleep(0.3)
+        assert await p.arrived(ids, 60), (p.teacher.log_text()[-2000:], p.feeder.log_text()[-2000:])
+        assert p.teacher.alive and p.feeder.alive and not p.learning.done()
+        assert await p.r.xlen(p.keys.dlq) == 0 and await incidents.recent(p.r, p.keys) == []
     finally:
         await p.close()
         server.stop()
