@@ -50,6 +50,11 @@ WEIGHT_SYNCS: Final = Counter(
     "student server weight syncs by outcome (ok, failed, refused: checkpoint does not fit, bad_checkpoint)",
     ["outcome"],
 )
+CHECKPOINTS_NOT_LOADABLE: Final = Counter(
+    "distillq_checkpoints_not_loadable_total",
+    "published weight versions a student refused to load (incomplete, corrupt, non_finite, mismatch), once each",
+    ["kind"],
+)
 WEIGHT_SYNC_SECONDS: Final = Histogram(
     "distillq_weight_sync_seconds", "one server's weight sync, pause to resume",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),

@@ -8,9 +8,17 @@
 A learner writes each version into a temporary folder, fsyncs it, renames it into place and only then
 points ``LATEST`` at it (``pipeline.learner.publish``). Readers never look at anything but the folder
 ``LATEST`` names, and check it against its marker (every file with its size) and the safetensors headers
-before loading it, so a half-written folder is never loaded. The same folders serve a local transformers
-student (``load_weights``), a vLLM server (``reload_weights`` or ``/v1/load_lora_adapter``) and SGLang
-(``/update_weights_from_disk``).
+before loading it, so a half-written folder is never loaded; its tensors are checked finite as they are read
+(``load_into``, ``check_finite``), so a version whose weights hold a NaN or an infinity is never sampled from.
+A folder that fails a check raises ``CheckpointError`` with its ``kind`` (``incomplete``, ``corrupt``,
+``non_finite``, ``mismatch``) and ``version``; the student keeps the weights it has
+(``pipeline.rollout.refusals``). The same folders serve a local transformers student (``load_weights``), a
+vLLM server (``reload_weights`` or ``/v1/load_lora_adapter``) and SGLang (``/update_weights_from_disk``).
+
+Cost of the finiteness check: one ``torch.aminmax`` per floating tensor, on tensors a load reads anyway (a
+local student) or read once more per version (servers load the folder themselves). For a 135M-parameter
+model (538 MB of float32, 2 shared CPU cores, page cache warm): 0.016 s of checking in a 0.06 s
+``load_into``, and 0.024 s for ``check_finite`` on the server path (``isfinite(t).all()`` took 0.21 s).
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.errors import DistillqError
 
@@ -35,8 +44,19 @@ SHAPE_FIELDS = (
 )  # fmt: skip
 
 
+#: Why a folder cannot be loaded: files missing or torn, bytes unreadable, a NaN or an infinity in a tensor, or
+#: not the model's shape.
+CheckpointFault = Literal["incomplete", "corrupt", "non_finite", "mismatch"]
+
+
 class CheckpointError(DistillqError):
-    """A published folder that must not be loaded: incomplete, corrupt, or not the served model's shape."""
+    """A published folder that must not be loaded: incomplete, corrupt, non-finite, or not the served model's
+    shape (``kind``); ``version``: the version it holds or ``LATEST`` names, when known."""
+
+    def __init__(self, message: str, kind: CheckpointFault = "incomplete", version: int | None = None) -> None:
+        super().__init__(message)
+        self.kind: CheckpointFault = kind
+        self.version = version
 
 
 @dataclass(frozen=True)
@@ -82,8 +102,12 @@ def latest(directory: str | Path) -> Checkpoint | None:
         info = json.loads(raw)
         version, folder = int(info["version"]), str(info["folder"])
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{pointer} is not a version pointer: {e}") from None
-    return read_checkpoint(Path(directory) / folder, version)
+        raise CheckpointError(f"{pointer} is not a version pointer: {e}", "corrupt") from None
+    try:
+        return read_checkpoint(Path(directory) / folder, version)
+    except CheckpointError as e:
+        e.version = version if e.version is None else e.version
+        raise
 
 
 def read_checkpoint(path: Path, version: int | None = None) -> Checkpoint:
@@ -94,11 +118,11 @@ def read_checkpoint(path: Path, version: int | None = None) -> Checkpoint:
         files = {str(k): int(v) for k, v in info["files"].items()}
         got_version, kind = int(info["version"]), str(info["kind"])
     except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {MARKER}: not a complete checkpoint") from None
+        raise CheckpointError(f"{path} has no {MARKER}: not a complete checkpoint", version=version) from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path / MARKER} is malformed: {e}") from None
+        raise CheckpointError(f"{path / MARKER} is malformed: {e}", "corrupt", version) from None
     if version is not None and got_version != version:
-        raise CheckpointError(f"{path} holds version {got_version}, the pointer says {version}")
+        raise CheckpointError(f"{path} holds version {got_version}, the pointer says {version}", version=version)
     for name, size in files.items():
         try:
             actual = (path / name).stat().st_size
@@ -117,13 +141,16 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         with path.open("rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > 100 * 2**20 or n > path.stat().st_size - 8:
-                raise CheckpointError(f"{path}: header length {n} does not fit the file")
+                raise CheckpointError(f"{path}: header length {n} does not fit the file", "corrupt")
             header = json.loads(f.read(n))
     except (OSError, struct.error, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable safetensors header: {e}") from None
+        raise CheckpointError(f"{path}: unreadable safetensors header: {e}", "corrupt") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not an object")
-    return {k: tuple(int(x) for x in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        raise CheckpointError(f"{path}: safetensors header is not an object", "corrupt")
+    try:
+        return {k: tuple(int(x) for x in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: safetensors header has no shapes: {e!r}", "corrupt") from None
 
 
 def checkpoint_shapes(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
@@ -173,7 +200,7 @@ def check_fits(
                          f"served {served_shapes[wrong[0]]})")
     if diffs:
         raise CheckpointError(f"checkpoint v{ckpt.version} at {ckpt.path} does not fit the served model: "
-                              + "; ".join(diffs))
+                              + "; ".join(diffs), "mismatch", ckpt.version)
 
 
 def model_folder_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
@@ -189,24 +216,79 @@ def model_folder_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
 
 def load_weights(model: Any, directory: str | Path) -> int | None:
     """Load the newest published full checkpoint into ``model`` (``strict=True``); its version, or ``None``
-    if nothing is published yet. Raises ``CheckpointError`` for a folder that must not be loaded."""
-    from safetensors.torch import load_file
-
+    if nothing is published yet. Raises ``CheckpointError`` for a folder that must not be loaded (``model``
+    is then untouched)."""
     ckpt = latest(directory)
     if ckpt is None:
         return None
+    load_into(model, ckpt)
+    return ckpt.version
+
+
+def load_into(model: Any, ckpt: Checkpoint) -> None:
+    """Load ``ckpt`` (a full checkpoint) into ``model``. Every check runs before the first tensor is copied, so a
+    ``CheckpointError`` (unreadable bytes, a NaN or an infinity, names or shapes not the model's) leaves
+    ``model`` as it was."""
     if ckpt.kind != "full":
-        raise CheckpointError(f"{ckpt.path} holds a LoRA adapter; a local student loads full checkpoints")
+        raise CheckpointError(f"{ckpt.path} holds a LoRA adapter; a local student loads full checkpoints",
+                              "mismatch", ckpt.version)
+    state = _read_tensors(ckpt)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    missing = sorted(expected.keys() - state.keys() - ({"lm_head.weight"} if tied else set()))
+    unexpected = sorted(state.keys() - expected.keys())
+    wrong = [k for k in sorted(state.keys() & expected.keys()) if tuple(state[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{ckpt.path}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+                              f"another shape {wrong[:3]}", "mismatch", ckpt.version)
+    model.load_state_dict(state, strict=False)
+
+
+def _read_tensors(ckpt: Checkpoint) -> dict[str, Any]:
+    """Every tensor of ``ckpt``'s safetensors files, checked finite (``CheckpointError`` otherwise)."""
     state: dict[str, Any] = {}
+    for tensors in _tensor_files(ckpt):
+        state.update(tensors)
+    return state
+
+
+def check_finite(ckpt: Checkpoint) -> None:
+    """Read every tensor of ``ckpt`` (a full checkpoint or an adapter) and raise ``CheckpointError`` (``non_finite``
+    or ``corrupt``) for a NaN, an infinity or unreadable bytes: what a server would load, checked before it is
+    told to. One file's tensors in memory at a time."""
+    for _ in _tensor_files(ckpt):
+        pass
+
+
+def _tensor_files(ckpt: Checkpoint) -> Iterator[dict[str, Any]]:
+    """The tensors of each safetensors file of ``ckpt`` in turn, each file's checked finite."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     for name in sorted(ckpt.files):
         if name.endswith(".safetensors"):
-            state.update(load_file(str(ckpt.path / name)))
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed = {"lm_head.weight"} if tied else set()
-    if unexpected or set(missing) - allowed:
-        raise CheckpointError(f"{ckpt.path}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    return ckpt.version
+            try:
+                tensors = load_file(str(ckpt.path / name))
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                raise CheckpointError(f"{ckpt.path / name}: unreadable: {e}", "corrupt", ckpt.version) from None
+            _check_finite(tensors, ckpt, name)
+            yield tensors
+
+
+def _check_finite(tensors: Mapping[str, Any], ckpt: Checkpoint, file: str) -> None:
+    """One ``aminmax`` per floating tensor (NaN propagates to both, an infinity shows in one): no temporary the
+    tensor's size, about 10x cheaper than ``isfinite(t).all()``."""
+    import torch
+
+    for key in sorted(tensors):
+        t = tensors[key]
+        if not t.is_floating_point() or not t.numel():
+            continue
+        lo, hi = torch.aminmax(t)
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{ckpt.path / file}: tensor {key} holds {bad} NaN or infinite value(s) of "
+                                  f"{t.numel()}", "non_finite", ckpt.version)
 
 
 def fsync_dir(path: Path) -> None:

@@ -10,7 +10,10 @@ Each server is synced on its own (one slow or dead server never holds the others
 reload fails, or that stops answering, leaves the rotation with one log line and a metric and is retried
 with a growing delay; it rejoins only once it says it holds the newest version. A checkpoint that does
 not fit the served model (architecture, config shapes, tensor names and shapes) is refused before any
-server is touched. Requests go round-robin to the servers in the rotation and wait while none is.
+server is touched; so is one that cannot be loaded (torn, a corrupt header, a NaN or an infinity in a tensor:
+every tensor is read once per version before any server is told to load it), recorded in
+``checkpoint_refusals`` (``pipeline.rollout.refusals``), and the servers keep the version they have.
+Requests go round-robin to the servers in the rotation and wait while none is.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from pipeline.models.weights import (
     CONFIG,
     Checkpoint,
     CheckpointError,
+    check_finite,
     check_fits,
     checkpoint_shapes,
     latest,
     published_versions,
     read_config,
 )
+from pipeline.rollout.refusals import CheckpointRefusals, FolderKey, folder_key
 from pipeline.rollout.students.base import Completion, StudentBackendError
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import Engine, EngineError, reference_of
@@ -62,7 +67,8 @@ class SyncedStudent:
         self.states = [ServerState(e.url) for e in self.engines]
         self._next = 0
         self._changed = asyncio.Event()
-        self._bad: str | None = None  # the last bad-checkpoint error logged
+        self.checkpoint_refusals = CheckpointRefusals()
+        self._finite: FolderKey | None = None  # the folder state last read and found finite
         self._reference: dict[int, tuple[dict[str, Any], dict[str, tuple[int, ...]] | None] | None] = {}
 
     @property
@@ -140,19 +146,39 @@ class SyncedStudent:
         return bool(self.weights_dir) and bool(published_versions(self.weights_dir or ""))
 
     def newest(self) -> Checkpoint | None:
-        """The newest complete checkpoint, or ``None`` (nothing published, or a bad one: logged once)."""
+        """The newest complete checkpoint, or ``None`` (nothing published, or a bad one: refused, logged once)."""
         if self.weights_dir is None:
             return None
         try:
-            ckpt = latest(self.weights_dir)
+            return latest(self.weights_dir)
         except CheckpointError as e:
-            if str(e) != self._bad:
-                self._bad = str(e)
-                metrics.WEIGHT_SYNCS.labels("bad_checkpoint").inc()
-                log.error("checkpoint_not_loadable", error=str(e), action="servers keep their weights")
+            self._refuse(e)
             return None
-        self._bad = None
+
+    async def newest_loadable(self) -> Checkpoint | None:
+        """``newest()`` with its tensors checked finite (read once per folder state, in a thread), or ``None``."""
+        ckpt = self.newest()
+        if ckpt is None:
+            return None
+        key = folder_key(ckpt)
+        if key != self._finite:
+            if self.checkpoint_refusals.known(key):
+                return None
+            try:
+                await asyncio.to_thread(check_finite, ckpt)
+            except CheckpointError as e:
+                self._refuse(e, key)
+                return None
+            self._finite = key
+        self.checkpoint_refusals.loaded()
         return ckpt
+
+    def _refuse(self, error: CheckpointError, folder: FolderKey | None = None) -> None:
+        held = [s.version for s in self.states if s.version is not None]
+        before = self.checkpoint_refusals.count
+        self.checkpoint_refusals.refuse(error, kept=max(held) if held else None, folder=folder)
+        if self.checkpoint_refusals.count != before:
+            metrics.WEIGHT_SYNCS.labels("bad_checkpoint").inc()
 
     async def start(self) -> None:
         """One round: every server synced (or out of the rotation) before the first request."""
@@ -174,7 +200,7 @@ class SyncedStudent:
     async def sync_once(self) -> None:
         if not self.synced:
             return
-        ckpt = self.newest()
+        ckpt = await self.newest_loadable()
         await asyncio.gather(*(self._sync_server(i, ckpt) for i in range(len(self.states))))
         metrics.STUDENT_SERVERS_IN_ROTATION.set(sum(s.in_rotation for s in self.states))
         self._changed.set()

@@ -5,6 +5,11 @@ the ``n`` completions. Tokens are drawn from the processed distribution (``logit
 then top-p), but the recorded logprob is the model's *raw* ``log_softmax(logits)`` of the sampled token,
 computed from the same forward pass: temperature-free, equal to a teacher-forced recomputation and to
 vLLM V1's default ``raw_logprobs``. Generation calls are serialised by a lock (CPU cores are shared).
+
+``load_weights`` loads the version a learner published; a folder that cannot be loaded (torn, corrupt, a NaN or
+an infinity in a tensor, another model's shape) is refused, recorded in ``checkpoint_refusals``
+(``pipeline.rollout.refusals``: logged and counted once, shown by the worker's heartbeat) and the model keeps the
+weights it has; the same folder is not read again.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 
 from pipeline.models.kvcache import output_cache, with_cache
+from pipeline.rollout.refusals import CheckpointRefusals, folder_key
 from pipeline.rollout.stop_strings import StopStringChecker
 from pipeline.rollout.students.base import Completion, check_request
 
@@ -56,6 +62,8 @@ class HFStudent:
         self._tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self._lock = threading.Lock()
+        self.version: int | None = None  # the published version loaded (None: the weights it started with)
+        self.checkpoint_refusals = CheckpointRefusals()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu") -> HFStudent:
@@ -71,14 +79,34 @@ class HFStudent:
         return self._tokenizer
 
     async def load_weights(self, directory: str | Path) -> int | None:
-        """Load weights published by a learner (``pipeline.models.weights``) between samples; their version."""
-        from pipeline.models.weights import load_weights
+        """Load the newest version a learner published (``pipeline.models.weights``) between samples; its version,
+        or None when none was loaded: nothing published, or the folder refused (``checkpoint_refusals``; the
+        model keeps its weights). Never raises ``CheckpointError``."""
+        return await asyncio.to_thread(self._load, directory)
 
-        def load() -> int | None:
-            with self._lock:
-                return load_weights(self.model, directory)
+    def _load(self, directory: str | Path) -> int | None:
+        from pipeline.models.weights import CheckpointError, latest, load_into
 
-        return await asyncio.to_thread(load)
+        refusals = self.checkpoint_refusals
+        with self._lock:
+            try:
+                ckpt = latest(directory)  # LATEST, the folder's marker, sizes and headers
+            except CheckpointError as e:
+                refusals.refuse(e, kept=self.version)
+                return None
+            if ckpt is None:
+                return None
+            folder = folder_key(ckpt)
+            if refusals.known(folder):
+                return None
+            try:
+                load_into(self.model, ckpt)  # the tensors: readable, finite, the model's names and shapes
+            except CheckpointError as e:
+                refusals.refuse(e, kept=self.version, folder=folder)
+                return None
+            self.version = ckpt.version
+            refusals.loaded()
+            return ckpt.version
 
     async def generate(
         self,
