@@ -264,18 +264,21 @@ class Feeder:
                     self.state.buffer[:0] = items[len(items) // 2 :]
                     del items[len(items) // 2 :]
                     continue
-                await self.consumer.dead_letter(items[0].ref, f"batch_too_large: {e}")
+                await retry_transient(functools.partial(self.consumer.dead_letter, items[0].ref,
+                                                        f"batch_too_large: {e}"), stop=stop, redis=self.redis)
                 self._count("dead_letter")
                 return True
             if added.result is AddResult.ADDED:
                 break
             dup = items.pop(added.duplicate_index)  # already in an earlier batch: never twice
             log.warning("group_already_batched", group_id=dup.group_id, batch_entry=added.entry_id)
-            await self.consumer.ack([dup.ref], keep_payloads=True)  # the earlier batch references the payload
+            # the earlier batch references the payload: keep it
+            await retry_transient(functools.partial(self.consumer.ack, [dup.ref], keep_payloads=True), stop=stop)
             self._count("already_batched")
         if not items:
             return True
-        missed = await retry_transient(lambda: self.consumer.ack(built.refs, keep_payloads=True), deadline_s=60)
+        # Retried until stop, however long Redis is away: giving up here would end the feeder.
+        missed = await retry_transient(lambda: self.consumer.ack(built.refs, keep_payloads=True), stop=stop)
         if missed:
             await self._unbatch(items, missed, added.entry_id)
         if built.observed_kl is not None and isinstance(self.controller, AdaptiveKL):  # a constant never changes
