@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import ResponseError
 
 from pipeline.transport.connection import TRANSIENT
 from pipeline.transport.keys import Keys
@@ -41,7 +42,7 @@ async def record(redis: aioredis.Redis, keys: Keys, kind: str, text: str, *, wri
              "fields": json.dumps(fields, default=str)}
     try:
         await redis.xadd(keys.incidents, entry, maxlen=MAX_LEN, approximate=True)  # type: ignore[arg-type]
-    except TRANSIENT as e:
+    except (*TRANSIENT, ResponseError) as e:  # Redis away, or full (an XADD is refused at maxmemory)
         log.warning("incident_not_recorded", kind=kind, error=str(e))
 
 
