@@ -170,11 +170,11 @@ class StreamConsumer:
     async def recover_group(self, error: BaseException) -> None:
         """The group is gone (``error``: NOGROUP): create it again and say what happened (see the module)."""
         held = len(self.owned)
-        self.owned.clear()  # gone with the group: their acks find nothing, leases renew nothing
-        self._own_cursor, self._last_claim = "0", float("-inf")
         stream_there = bool(await self.redis.exists(self.key))
         data = await self.sentinel.check()
         created = await retry_transient(self.ensure_group, redis=self.redis)
+        self.owned.clear()  # gone with the group: their acks find nothing, leases renew nothing
+        self._own_cursor, self._last_claim = "0", float("-inf")
         log.warning("consumer_group_recreated", stream=self.stream, key=self.key, group=self.group,
                     consumer=self.name, error=str(error), stream_existed=stream_there, data=data.value,
                     in_flight_lost=held, created_here=created)
