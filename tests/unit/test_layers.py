@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("distillq", "schemas", "pipeline", "workers", "bench")
-BASE = {"pipeline.config", "pipeline.flags", "pipeline.metrics", "pipeline.logs", "pipeline.urls", "pipeline.moved"}
+BASE = {"pipeline.config", "pipeline.flags", "pipeline.metrics", "pipeline.logs", "pipeline.urls", "pipeline.moved",
+        "pipeline.backoff"}
 
 # layer -> the layers it may import (besides itself and EVERYWHERE)
 ALLOWED: dict[str, set[str]] = {
