@@ -10,11 +10,13 @@ The pipeline, each part its own process against a private ``redis-server`` (AOF 
 The driver (``Soak.run``) injects, in an order and at times drawn from the seed, each fault kind of ``KINDS``
 at least once: SIGKILL of the rollout worker, the teacher, the feeder and the learner (each restarted under its
 name); Redis SIGKILLed and restarted on its AOF; Redis restarted once *without its data* (an empty directory,
-no persistence: what a server without persistence or a lost disk gives); Redis at ``maxmemory`` (set below its
-use for ``oom_s``, then unset); the learner stopped (SIGSTOP) for ``pause_s``, past the producers'
-``DISTILLQ_BACKPRESSURE_TIMEOUT_S``; a torn version published (``LATEST`` names a folder without its
-``distillq-checkpoint.json``, and ``policy_version`` announces it); the teacher answering vLLM's -9999.0 for
-``sentinel_s``. A process that exits without being killed is restarted too (a supervisor's job) and counted.
+no persistence: what a server without persistence or a lost disk gives; the teacher is stopped for
+``stall_before_wipe_s`` before it, so that prompts and groups wait in Redis when it goes); Redis at
+``maxmemory`` (set below its use for ``oom_s``, then unset); the learner stopped (SIGSTOP) for ``pause_s``,
+past the workers' ``DISTILLQ_BACKPRESSURE_TIMEOUT_S``; a torn version published (``LATEST`` names a folder
+without its ``distillq-checkpoint.json`` and ``policy_version`` announces it, the learner held meanwhile);
+the teacher answering vLLM's -9999.0 for ``sentinel_s``. A process that exits without being killed is
+restarted too (a supervisor's job) and counted.
 
 After the faults the driver waits until every prompt is trained or dead-lettered, or nothing moved for
 ``settle_s``. The Redis-without-data restart is handled as an operator would: its loss must be named by a
@@ -83,6 +85,7 @@ class SoakConfig:
     pause_s: float = 10.0  # learner SIGSTOPped (past the backpressure timeout)
     oom_s: float = 6.0
     sentinel_s: float = 5.0
+    stall_before_wipe_s: float = 6.0  # the teacher is stopped this long before Redis loses its data
     settle_s: float = 30.0  # the drain ends when nothing moved for this long
     drain_reserve_s: float = 100.0  # of ``seconds``, kept for the drains after the fault phase
     workdir: Path | None = None
@@ -226,7 +229,7 @@ class Soak:
         self.record = LearnerRecord(self.dir / "learner.jsonl")
         n = max(1, int(cfg.prompt_rate * (cfg.fault_phase_s + TAIL_S)))
         self.prompts = prompt_lines(n, cfg.seed)
-        self.enqueued: dict[str, float] = {}  # group id -> time `distillq enqueue` returned 0 with it
+        self.enqueued: dict[str, float] = {}  # group id -> start of the `distillq enqueue` that took it (exit 0)
         self.enqueue_failures = 0
         self.dead: dict[str, list[str]] = {}  # group id -> dead-letter reasons
         self._dl_seen: set[tuple[str, str]] = set()
@@ -315,6 +318,7 @@ class Soak:
     async def enqueue(self, lines: list[dict[str, Any]], tag: str) -> bool:
         f = self.dir / f"prompts-{tag}.jsonl"
         f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        begun = time.time()
         env = {k: v for k, v in os.environ.items() if not k.startswith("DISTILLQ_")}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pipeline.cli.main", "enqueue", str(f), "--epoch", str(EPOCH), "--redis-url",
@@ -331,9 +335,8 @@ class Soak:
         if proc.returncode != 0:
             self.enqueue_failures += 1
             return False
-        now = time.time()
         for x in lines:
-            self.enqueued.setdefault(f"{EPOCH}:{x['id']}", now)
+            self.enqueued.setdefault(f"{EPOCH}:{x['id']}", begun)
         return True
 
     async def producer(self, stop: asyncio.Event) -> None:
@@ -382,6 +385,17 @@ class Soak:
         return "SIGKILL, restarted on its AOF"
 
     async def _redis_wipe(self) -> str:
+        teacher = self.procs["teacher"]  # stopped first, so that prompts and groups wait in Redis when it goes
+        self.down.add("teacher")
+        os.kill(teacher.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(self.cfg.stall_before_wipe_s)
+            return await self._wipe()
+        finally:
+            os.kill(teacher.pid, signal.SIGCONT)
+            self.down.discard("teacher")
+
+    async def _wipe(self) -> str:
         await self.observe()
         self.at_risk = set(self.enqueued) - self.finished()
         self.wipe_at = time.time()

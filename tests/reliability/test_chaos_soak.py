@@ -46,6 +46,30 @@ def test_learner_record_counts_only_steps_a_restart_kept(tmp_path: Path) -> None
     assert rec.trained() == {"a": [2], "b": [3, 7], "c": [6]}  # b twice: a duplicate the soak reports
 
 
+def test_the_invariant_names_each_kind_of_violation(tmp_path: Path) -> None:
+    """``Soak.analyse`` on a made-up run: one prompt trained twice, one lost, one dead-lettered by a kill, one
+    with a -9999 in its batch, two lost in a reset that no incident names (one of them finished before it)."""
+    soak = Soak(SoakConfig(seed=SEED, workdir=tmp_path))
+    soak.enqueued = {f"1:p{i:05d}": 1.0 for i in range(8)}
+    steps = [(2, ["1:p00000", "1:p00001"], {}), (3, ["1:p00001"], {}), (4, ["1:p00004"], {"1:p00004": "-9999"}),
+             (5, ["1:p00005", "1:p00006"], {}), (6, ["1:p00007"], {})]
+    soak.record.starts = [{"t": 0.0, "event": "start", "step": 0}]
+    soak.record.steps = [{"t": float(t), "event": "step", "step": t - 1, "batch_id": f"b{t}", "groups": g,
+                          "bad_teacher": bad} for t, g, bad in steps]
+    soak.dead = {"1:p00003": ["max_deliveries: delivered 6 times"], "1:p00007": ["teacher_dropped: invalid_logprobs"]}
+    soak.wipe_at, soak.at_risk = 4.5, {"1:p00005"}
+    soak.reenqueued = ["1:p00005", "1:p00002"]
+    result = soak.analyse(10.0, 8.0)
+    text = "\n".join(result.violations)
+    assert "trained twice or more: 1 groups" in text and "1:p00001" in text
+    assert "lost (neither trained nor dead-lettered): 1, e.g. ['1:p00002']" in text
+    assert "dead-lettered by faults that must lose nothing: {'max_deliveries': 1}" in text
+    assert "bad teacher values reached 1 batches" in text
+    assert "lost outside the reset" in text and "no incident names it" in text
+    assert len(result.violations) == 6
+    assert result.figures["duplicates"] == 1 and result.figures["dead_lettered"] == 1  # p00007 was trained
+
+
 def test_bench_soak_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         soak_main(["--help"])
