@@ -27,9 +27,11 @@ epoch) and must then be trained. The invariant (``SoakResult.violations`` empty)
 * every enqueued prompt is trained exactly once, or never trained and dead-lettered with its reason, and that
   reason is one the faults justify (``justified``: the teacher's bad values), unless the prompt was unfinished
   when Redis lost its data;
-* the prompts lost in the reset were all unfinished (not trained, not dead-lettered) when Redis lost its data,
-  an incident recorded after it names the loss (kind ``*lost*`` or ``*reset*``), and where incidents give a
-  count (``N entries`` in the text, ``*lost*`` integer fields) it covers them;
+* the prompts lost in the reset were all unfinished (not trained, not dead-lettered, or in an enqueue command
+  running) when Redis lost its data, and an incident recorded after it names the loss (kind ``*lost*`` or
+  ``*reset*``). The entries the incidents count (``N entries`` in the text, ``entries`` and ``*lost*``
+  integer fields) are a figure beside the prompts lost; fewer than lost is a finding, not a violation (a
+  process can count the entries it held, not those waiting unread in a stream that went);
 * no group is trained twice; nothing unknown is trained;
 * no batch carries a teacher value that is non-finite, above 0 or at/below -1000 (``soak_learner.FLOOR``).
 
@@ -123,10 +125,12 @@ class SoakResult:
     exits: list[Exit]
     workdir: Path
     started: float  # time.time() at the start
+    findings: list[str] = field(default_factory=list)  # worth a look, not a breach of the invariant
 
     def summary(self) -> str:
         lines = [f"{k}={v}" for k, v in self.figures.items()]
         lines += [f"VIOLATION {v}" for v in self.violations]
+        lines += [f"FINDING {v}" for v in self.findings]
         lines += [f"EXIT {e.name} code={e.code} after={e.after_fault}: {e.tail[-600:]}" for e in self.exits]
         return "\n".join(lines)
 
@@ -204,12 +208,14 @@ def justified(reason: str) -> bool:
 
 
 def loss_counts(incident: dict[str, str]) -> list[int]:
-    """The numbers of lost entries an incident names: ``N entries`` in its text, ``*lost*`` integer fields."""
-    out = [int(n) for n in re.findall(r"(\d+) entr", incident.get("text", ""))]
+    """The numbers of lost entries an incident gives: its ``entries`` and ``*lost*`` integer fields, or else the
+    ``N entries`` of its text."""
+    out: list[int] = []
     with contextlib.suppress(ValueError, AttributeError):
         fields = json.loads(incident.get("fields") or "{}")
-        out += [v for k, v in fields.items() if "lost" in k and isinstance(v, int) and not isinstance(v, bool)]
-    return out
+        out = [v for k, v in fields.items() if ("lost" in k or k == "entries") and isinstance(v, int)
+               and not isinstance(v, bool)]
+    return out or [int(n) for n in re.findall(r"(\d+) entr", incident.get("text", ""))]
 
 
 class Soak:
@@ -230,6 +236,7 @@ class Soak:
         n = max(1, int(cfg.prompt_rate * (cfg.fault_phase_s + TAIL_S)))
         self.prompts = prompt_lines(n, cfg.seed)
         self.enqueued: dict[str, float] = {}  # group id -> start of the `distillq enqueue` that took it (exit 0)
+        self.enqueuing: set[str] = set()  # group ids of the enqueue command running now
         self.enqueue_failures = 0
         self.dead: dict[str, list[str]] = {}  # group id -> dead-letter reasons
         self._dl_seen: set[tuple[str, str]] = set()
@@ -319,6 +326,8 @@ class Soak:
         f = self.dir / f"prompts-{tag}.jsonl"
         f.write_text("".join(json.dumps(x) + "\n" for x in lines))
         begun = time.time()
+        gids = {f"{EPOCH}:{x['id']}" for x in lines}
+        self.enqueuing |= gids
         env = {k: v for k, v in os.environ.items() if not k.startswith("DISTILLQ_")}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pipeline.cli.main", "enqueue", str(f), "--epoch", str(EPOCH), "--redis-url",
@@ -330,8 +339,11 @@ class Soak:
             proc.kill()
             await proc.wait()
             out = b"timed out"
+        finally:
+            self.enqueuing -= gids
         with open(self.dir / "enqueue.log", "ab") as log:
-            log.write(f"--- {tag} rc={proc.returncode}\n".encode() + out)
+            log.write(f"--- {tag} rc={proc.returncode} {begun - self.started:.1f}-{time.time() - self.started:.1f} s\n"
+                      .encode() + out)
         if proc.returncode != 0:
             self.enqueue_failures += 1
             return False
@@ -397,7 +409,7 @@ class Soak:
 
     async def _wipe(self) -> str:
         await self.observe()
-        self.at_risk = set(self.enqueued) - self.finished()
+        self.at_risk = (set(self.enqueued) | self.enqueuing) - self.finished()
         self.wipe_at = time.time()
         self.server.kill()
         old = self.server.dir
@@ -551,6 +563,7 @@ class Soak:
         trained = self.record.trained()
         enq = set(self.enqueued)
         violations: list[str] = []
+        findings: list[str] = []  # worth a look, not a breach of the invariant
         dups = {g: len(ts) for g, ts in trained.items() if len(ts) > 1}
         if dups:
             violations.append(f"trained twice or more: {len(dups)} groups, e.g. {sorted(dups.items())[:5]}")
@@ -580,8 +593,8 @@ class Soak:
             if not reset_lines:
                 violations.append(f"{len(self.reenqueued)} prompts lost in the reset, and no incident names it")
             elif named is not None and len(self.reenqueued) > named:
-                violations.append(f"{len(self.reenqueued)} prompts lost in the reset, the incidents name {named} "
-                                  f"entries: {[i.get('text') for i in reset_lines][:3]}")
+                findings.append(f"{len(self.reenqueued)} prompts lost in the reset, the incidents count {named} "
+                                f"entries: {[i.get('text') for i in reset_lines][:3]}")
         latency = [trained[g][0] - t for g, t in self.enqueued.items() if g in trained]
         for f in self.faults:
             after = [trained[g][0] for g, t in self.enqueued.items() if t >= f.end and g in trained]
@@ -611,7 +624,7 @@ class Soak:
             "recovery_s": ",".join(f"{k}:{statistics.median(v):.1f}/{max(v):.1f}" for k, v in rec_by_kind.items()),
             "learner_restarts": len(self.record.starts) - 1,
         }
-        return SoakResult(figures, violations, self.faults, self.exits, self.dir, self.started)
+        return SoakResult(figures, violations, self.faults, self.exits, self.dir, self.started, findings)
 
 
 def run_soak(cfg: SoakConfig) -> SoakResult:
