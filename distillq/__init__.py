@@ -73,6 +73,7 @@ from schemas import (
     decode,
     encode,
 )
+from schemas.validate import InvalidLogprobs
 
 if TYPE_CHECKING:
     from pipeline.learner.chunked import gather_logprobs
@@ -136,6 +137,7 @@ __all__ = [
     "GroupProducer",
     "GroupRef",
     "HookMissing",
+    "InvalidLogprobs",
     "Learner",
     "LearnerBatch",
     "LearnerConnectionError",

@@ -4,7 +4,8 @@
 ==========================  ===================================================================================
 family                      its classes (home module)
 ==========================  ===================================================================================
-``WireFormatError``         ``DecodeError`` (``schemas.validate``), ``ArrayError`` (``schemas.arrays``)
+``WireFormatError``         ``DecodeError`` and its ``InvalidLogprobs`` (``schemas.validate``), ``ArrayError``
+                            (``schemas.arrays``)
 ``ConfigurationError``      ``TeacherConfigError`` (``pipeline.teacher.base``), ``VocabMismatchError``
                             (``pipeline.teacher.vocab``), ``ShardConfigError`` (``pipeline.transport.sharding``),
                             ``RealPairUnavailable`` (``pipeline.models.realpair``)

@@ -53,6 +53,7 @@ def test_every_exception_class_is_exported_by_distillq() -> None:
 FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     # (home module.class, family, the builtin base it kept)
     ("schemas.validate.DecodeError", WireFormatError, ValueError),
+    ("schemas.validate.InvalidLogprobs", WireFormatError, ValueError),
     ("schemas.arrays.ArrayError", WireFormatError, ValueError),
     ("pipeline.teacher.base.TeacherConfigError", ConfigurationError, RuntimeError),
     ("pipeline.teacher.vocab.VocabMismatchError", ConfigurationError, RuntimeError),
