@@ -331,10 +331,11 @@ def _check_convention(parts: list[_Convention], limits: Limits) -> None:
     """Row r must describe token r+1: its sampled logprob matches its top-k entry or lies below row r.
 
     Spot-checks up to ``limits.check_rows`` evenly spread rows of every payload, all payloads at once
-    (they share k): rows sorted (within ``logprob_tolerance``), none starting above 0, and the sampled
-    logprob agreeing with the sampled token's top-k entry, or not above the row's last entry when the
-    token is not in the top k. Each part is ``(name, topk_ids, topk_logprobs, sampled_logprobs, labels,
-    rows)`` (see ``_Convention``) with the top-k arrays shaped ``[R, k]``.
+    (they share k): rows sorted (within ``logprob_tolerance``) and the sampled logprob agreeing with the
+    sampled token's top-k entry, or not above the row's last entry when the token is not in the top k (that
+    no logprob is above 0 is checked on every value by ``_logprobs`` first). Each part is ``(name, topk_ids,
+    topk_logprobs, sampled_logprobs, labels, rows)`` (see ``_Convention``) with the top-k arrays shaped
+    ``[R, k]``.
     """
     picked: list[tuple[str, npt.NDArray[np.generic], float]] = []
     g_ids, g_lps, g_sampled, g_labels = [], [], [], []
@@ -373,9 +374,6 @@ def _check_convention(parts: list[_Convention], limits: Limits) -> None:
         rise = r_lps[:, 1:] - r_lps[:, :-1]
         if _MAX(rise, axis=None) > atol:
             fail(_ANY(rise > atol, axis=1), "topk_logprobs", "row {r} is not sorted by logprob, highest first")
-    first = r_lps[:, 0]
-    if _MAX(first) > atol:
-        fail(first > atol, "topk_logprobs", "logprob above 0 in row {r}")
     hit = (r_ids == labels[:, None]).reshape(-1)
     at = np.arange(0, m * k, k)
     at += hit.reshape(m, k).argmax(axis=1)  # flat index of each row's first hit (its start when none)
