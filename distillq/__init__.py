@@ -47,6 +47,7 @@ from pipeline.models.realpair import RealPairUnavailable
 from pipeline.models.weights import CheckpointError
 from pipeline.rollout.students.base import StudentBackendError
 from pipeline.rollout.sync_engines import EngineError
+from pipeline.serve.student.jsonbody import BodyProblem
 from pipeline.serve.student.service import ServeError
 from pipeline.serve.student.validation import RequestError
 from pipeline.serve.student.verifiers import groups_from_traces
@@ -54,6 +55,7 @@ from pipeline.teacher.base import TeacherConfigError
 from pipeline.teacher.vllm_engine_proc import HookMissing
 from pipeline.teacher.vocab import VocabMismatchError
 from pipeline.transport.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped
+from pipeline.transport.prompts import BadPrompt
 from pipeline.transport.sdk import AsyncGroupProducer, GroupProducer
 from pipeline.transport.sharding import ShardConfigError
 from schemas import (
@@ -125,7 +127,9 @@ __all__ = [
     "AsyncLearner",
     "BackendError",
     "BackpressureTimeout",
+    "BadPrompt",
     "BatchManifest",
+    "BodyProblem",
     "CheckpointError",
     "CliError",
     "ConfigurationError",

@@ -5,7 +5,7 @@
 family                      its classes (home module)
 ==========================  ===================================================================================
 ``WireFormatError``         ``DecodeError`` and its ``InvalidLogprobs`` (``schemas.validate``), ``ArrayError``
-                            (``schemas.arrays``)
+                            (``schemas.arrays``), ``BadPrompt`` (``pipeline.transport.prompts``)
 ``ConfigurationError``      ``TeacherConfigError`` (``pipeline.teacher.base``), ``VocabMismatchError``
                             (``pipeline.teacher.vocab``), ``ShardConfigError`` (``pipeline.transport.sharding``),
                             ``RealPairUnavailable`` (``pipeline.models.realpair``)
@@ -16,7 +16,8 @@ family                      its classes (home module)
 ``LearnerError``            ``LearnerConnectionError`` (``pipeline.learner.checks``), ``RankTakenOver``
                             (``pipeline.learner.ranks``)
 ``ApiError``                ``ServeError`` (``pipeline.serve.student.service``), ``RequestError``
-                            (``pipeline.serve.student.validation``)
+                            (``pipeline.serve.student.validation``), ``BodyProblem``
+                            (``pipeline.serve.student.jsonbody``)
 ``CheckpointError``         itself (``pipeline.models.weights``)
 ``CliError``                itself (``pipeline.cli.errors``)
 ==========================  ===================================================================================

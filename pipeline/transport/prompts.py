@@ -26,6 +26,7 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
+from pipeline.errors import WireFormatError
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_ID, F_TYPE
 
@@ -61,7 +62,7 @@ PROMPT_DECODER = msgspec.json.Decoder(PromptJob)
 _ENCODER = msgspec.json.Encoder()
 
 
-class BadPrompt(ValueError):
+class BadPrompt(WireFormatError, ValueError):
     """A prompt entry that does not decode (its field named)."""
 
 

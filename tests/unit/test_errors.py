@@ -55,6 +55,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("schemas.validate.DecodeError", WireFormatError, ValueError),
     ("schemas.validate.InvalidLogprobs", WireFormatError, ValueError),
     ("schemas.arrays.ArrayError", WireFormatError, ValueError),
+    ("pipeline.transport.prompts.BadPrompt", WireFormatError, ValueError),
     ("pipeline.teacher.base.TeacherConfigError", ConfigurationError, RuntimeError),
     ("pipeline.teacher.vocab.VocabMismatchError", ConfigurationError, RuntimeError),
     ("pipeline.transport.sharding.ShardConfigError", ConfigurationError, RuntimeError),
@@ -69,6 +70,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("pipeline.learner.ranks.RankTakenOver", LearnerError, RuntimeError),
     ("pipeline.serve.student.service.ServeError", ApiError, Exception),
     ("pipeline.serve.student.validation.RequestError", ApiError, ValueError),
+    ("pipeline.serve.student.jsonbody.BodyProblem", ApiError, ValueError),
     ("pipeline.models.weights.CheckpointError", DistillqError, Exception),
     ("pipeline.cli.errors.CliError", DistillqError, Exception),
 ]

@@ -16,6 +16,8 @@ import json
 import re
 from typing import Final
 
+from pipeline.errors import ApiError
+
 #: The deepest nesting a request body may have (the body itself is level 1).
 MAX_DEPTH: Final = 64
 #: Path components shown before the field is cut short (a deep value's path is as long as it is deep).
@@ -26,7 +28,7 @@ _SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
-class BodyProblem(ValueError):
+class BodyProblem(ApiError, ValueError):
     """A body refused before it is parsed: ``field`` names where (``messages[0].content``), ``reason`` why."""
 
     def __init__(self, field: str, reason: str) -> None:
