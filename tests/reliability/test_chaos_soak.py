@@ -83,6 +83,7 @@ def test_bench_soak_help(capsys: pytest.CaptureFixture[str]) -> None:
 async def test_chaos_soak_keeps_its_invariant(tmp_path: Path) -> None:
     result = await Soak(SoakConfig(seconds=300, seed=SEED, workdir=tmp_path)).run()
     report("chaos_soak", **result.figures)
+    print(result.summary(), flush=True)  # with the violations, findings and unexpected exits, if any
     injected = {f.kind for f in result.faults}
     assert injected == set(KINDS), f"fault kinds not injected: {set(KINDS) - injected}"
     assert result.figures["trained"] > 0
