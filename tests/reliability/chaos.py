@@ -57,10 +57,11 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
-from pipeline.models.weights import LATEST, folder_name, published_versions
+from pipeline.models.weights import LATEST, MARKER, folder_name, published_versions, version_of_folder
 from pipeline.transport.keys import Keys
 from tests.redis_server import RedisServer
 from tests.reliability.harness import WorkerProc, Workers
@@ -198,6 +199,34 @@ class LearnerRecord:
             for gid in rec["groups"]:
                 out.setdefault(gid, []).append(rec["t"])
         return out
+
+
+#: How a published version is torn: no marker (``distillq-checkpoint.json``); the marker with a truncated
+#: shard; a complete folder whose tensors hold NaN.
+TORN = ("no_marker", "truncated", "nan")
+
+
+def tear_folder(torn: Path, student: Path, complete: Path | None, variant: str) -> None:
+    """Write version folder ``torn``: ``no_marker`` from the student's files; the other variants copy the
+    complete version ``complete`` (its marker renamed to this version) and spoil its shard."""
+    if variant == "no_marker" or complete is None:
+        torn.mkdir(parents=True)
+        (torn / "config.json").write_text((student / "config.json").read_text())
+        (torn / "model.safetensors").write_bytes((student / "model.safetensors").read_bytes()[:1000])
+        return
+    shutil.copytree(complete, torn)
+    marker = json.loads((torn / MARKER).read_text())
+    (torn / MARKER).write_text(json.dumps({**marker, "version": version_of_folder(torn.name)}))
+    shard = torn / "model.safetensors"
+    if variant == "truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+        return
+    data = bytearray(shard.read_bytes())  # NaN written over one float32 tensor in place: header and size hold
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    lo, hi = next(v["data_offsets"] for k, v in sorted(header.items()) if k != "__metadata__" and v["dtype"] == "F32")
+    data[8 + n + lo:8 + n + hi] = np.full((hi - lo) // 4, np.nan, dtype=np.float32).tobytes()
+    shard.write_bytes(bytes(data))
 
 
 def justified(reason: str) -> bool:
@@ -469,14 +498,19 @@ class Soak:
     async def _tear(self, version: int, log: WorkerProc, seen_before: int) -> str:
         assert self.r is not None
         torn = self.weights / folder_name(version)
-        torn.mkdir(parents=True)
-        src = Path(self.student)
-        (torn / "config.json").write_text((src / "config.json").read_text())
-        (torn / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:1000])
+        variant = TORN[sum(f.kind == "torn_checkpoint" for f in self.faults) % len(TORN)]
+        tear_folder(torn, Path(self.student), self._newest_complete(), variant)
         tmp = self.weights / f"{LATEST}.torn"
         tmp.write_text(json.dumps({"version": version, "folder": torn.name}))
         tmp.replace(self.weights / LATEST)
         await self.r.set(self.keys.policy_version, version)
+        return f"{variant}, " + await self._refused(version, log, seen_before)
+
+    def _newest_complete(self) -> Path | None:
+        done = [self.weights / folder_name(v) for v in published_versions(self.weights)]
+        return next((d for d in reversed(done) if (d / MARKER).exists()), None)
+
+    async def _refused(self, version: int, log: WorkerProc, seen_before: int) -> str:
         for _ in range(32):
             if log.log_text().count("checkpoint_not_loadable") > seen_before:
                 return f"version {version}: refused (checkpoint_not_loadable)"

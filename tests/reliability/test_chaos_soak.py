@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.soak import main as soak_main
-from tests.reliability.chaos import KINDS, LearnerRecord, Soak, SoakConfig, schedule
+from tests.reliability.chaos import KINDS, TORN, LearnerRecord, Soak, SoakConfig, schedule, tear_folder
 from tests.reliability.harness import report
 
 SEED = 20261126
@@ -68,6 +69,30 @@ def test_the_invariant_names_each_kind_of_violation(tmp_path: Path) -> None:
     assert "lost outside the reset" in text and "no incident names it" in text
     assert len(result.violations) == 6
     assert result.figures["duplicates"] == 1 and result.figures["dead_lettered"] == 1  # p00007 was trained
+
+
+def test_torn_versions_are_torn_as_named(tmp_path: Path) -> None:
+    """Each way the soak tears a version: no marker; the marker with a shard shorter than it says; the marker
+    and every size right, with one tensor all NaN."""
+    from pipeline.learner.publish import write_checkpoint
+    from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+    from pipeline.models.weights import MARKER, folder_name
+
+    student = ensure_tiny_models().student
+    good = write_checkpoint(load_causal_lm(student), 1, tmp_path, tokenizer_dir=student)
+    folders = {v: tmp_path / folder_name(2 + i) for i, v in enumerate(TORN)}
+    for variant, folder in folders.items():
+        tear_folder(folder, student, good, variant)
+    assert not (folders["no_marker"] / MARKER).exists()
+    for variant in ("truncated", "nan"):
+        marker = json.loads((folders[variant] / MARKER).read_text())
+        assert marker["version"] == int(folders[variant].name[1:])
+        size = (folders[variant] / "model.safetensors").stat().st_size
+        assert (size == marker["files"]["model.safetensors"]) is (variant == "nan")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(folders["nan"] / "model.safetensors"))
+    assert sum(bool(np.isnan(t).all()) for t in tensors.values()) == 1
 
 
 def test_bench_soak_help(capsys: pytest.CaptureFixture[str]) -> None:
