@@ -29,7 +29,7 @@ from pipeline.cli.deadletters import (
     from_copy,
     text,
 )
-from pipeline.cli.groupscan import batches_listing, find_entries
+from pipeline.cli.groupscan import batches_listing, find_entries, index_entries
 from pipeline.config import StreamSettings
 from pipeline.transport.claimcheck import encode_header
 from pipeline.transport.keys import Keys
@@ -40,10 +40,22 @@ from schemas import DecodeError, Limits, Message, RolloutGroup, ScoredGroup, dec
 WRITE_TIME_SLACK_MS: Final = 50
 
 
-async def dead_letters_of(redis: aioredis.Redis, keys: Keys, group_id: str) -> list[tuple[str, dict[bytes, bytes]]]:
-    """Every dead letter of ``group_id``, oldest first."""
+#: Dead-letter entry ids by group id (``dead_letter_index``): one pass over the DLQ for a command about many.
+DeadLetterIndex = dict[str, list[str]]
+
+
+async def dead_letter_index(redis: aioredis.Redis, keys: Keys) -> DeadLetterIndex:
+    """Every dead letter's entry id by its group id, read in one pass."""
+    return await index_entries(redis, keys.dlq, ORIG + F_ID)
+
+
+async def dead_letters_of(redis: aioredis.Redis, keys: Keys, group_id: str, index: DeadLetterIndex | None = None
+                          ) -> list[tuple[str, dict[bytes, bytes]]]:
+    """Every dead letter of ``group_id``, oldest first (looked up in ``index`` when given: entries deleted since
+    it was read are left out)."""
     out = []
-    for eid in await find_entries(redis, keys.dlq, group_id, ORIG + F_ID):
+    eids = index.get(group_id, []) if index is not None else await find_entries(redis, keys.dlq, group_id, ORIG + F_ID)
+    for eid in eids:
         rows = await redis.xrange(keys.dlq, min=eid, max=eid)
         if rows:
             out.append((eid, dict(rows[0][1])))
@@ -55,7 +67,8 @@ def _ms(entry_id: str) -> int:
 
 
 async def batch_state(redis: aioredis.Redis, keys: Keys, group_id: str, settings: StreamSettings,
-                      dead: list[tuple[str, dict[bytes, bytes]]] | None = None) -> BatchState:
+                      dead: list[tuple[str, dict[bytes, bytes]]] | None = None,
+                      index: DeadLetterIndex | None = None) -> BatchState:
     """Was ``group_id`` trained? (``BatchState``; ``dead``: its dead letters, if already read)."""
     mk = keys.seen("batches", group_id)
     raw, pttl = await redis.get(mk), await redis.pttl(mk)
@@ -64,7 +77,7 @@ async def batch_state(redis: aioredis.Redis, keys: Keys, group_id: str, settings
     if not is_written(raw):
         return BatchState("in_flight")  # a feeder is writing the batch now
     marker = text(raw)
-    dead = await dead_letters_of(redis, keys, group_id) if dead is None else dead
+    dead = await dead_letters_of(redis, keys, group_id, index) if dead is None else dead
     excluded = {text(f.get(b"batch_entry")) for _, f in dead if text(f.get(b"stage")) == "learner"} - {""}
     if marker == WRITTEN:
         now_s, now_us = await redis.time()
@@ -103,19 +116,20 @@ def _ttl_note(settings: StreamSettings) -> str:
 
 
 async def assess(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[bytes, bytes], *,
-                 to: str | None = None, force: bool = False, settings: StreamSettings | None = None
-                 ) -> Replay | PromptReplay | Refusal:
-    """What ``dlq replay`` would do with one dead letter. Reads only."""
+                 to: str | None = None, force: bool = False, settings: StreamSettings | None = None,
+                 index: DeadLetterIndex | None = None) -> Replay | PromptReplay | Refusal:
+    """What ``dlq replay`` would do with one dead letter (``index``: the DLQ's, for a command about many).
+    Reads only."""
     s = settings or StreamSettings()
     group_id = text(fields.get(ORIG + F_ID))
     plan = first_look(fields, to, s.limits(), force=force)
     dead: list[tuple[str, dict[bytes, bytes]]] | None = None
     if isinstance(plan, NeedsCopy):
-        dead = await dead_letters_of(redis, keys, group_id)
+        dead = await dead_letters_of(redis, keys, group_id, index)
         plan = from_copy(plan, group_id, await find_copy(dead, group_id, entry_id, s.limits()))
     if isinstance(plan, Refusal | PromptReplay) or plan.target == "batches":
         return plan
-    state = await batch_state(redis, keys, group_id, s, dead)
+    state = await batch_state(redis, keys, group_id, s, dead, index)
     refused = batch_gate(group_id, state, _ttl_note(s))
     if refused is not None:
         return refused

@@ -36,7 +36,7 @@ from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.cli.inspect import one_line, summarize_entry, summarize_message
 from pipeline.cli.locate import advice
 from pipeline.cli.namespaces import absent_note
-from pipeline.cli.recovery import assess, send_again
+from pipeline.cli.recovery import DeadLetterIndex, assess, dead_letter_index, send_again
 from pipeline.cli.resample import dlq_resample, replay_prompt
 from pipeline.cli.streamstats import server_time
 from pipeline.config import StreamSettings
@@ -207,10 +207,11 @@ class ReplayResult:
 
 
 async def replay_one(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[bytes, bytes] | None,
-                     to: str | None, settings: StreamSettings, *, force: bool = False) -> ReplayResult:
+                     to: str | None, settings: StreamSettings, *, force: bool = False,
+                     index: DeadLetterIndex | None = None) -> ReplayResult:
     if fields is None:
         return ReplayResult(entry_id, False, "not in the DLQ")
-    plan = await assess(redis, keys, entry_id, fields, to=to, force=force, settings=settings)
+    plan = await assess(redis, keys, entry_id, fields, to=to, force=force, settings=settings, index=index)
     if isinstance(plan, Refusal):
         return ReplayResult(entry_id, False, plan.line())
     if isinstance(plan, PromptReplay):
@@ -247,10 +248,12 @@ async def dlq_replay(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace
     await _note_absent(redis, keys)  # asks Redis first: an unreachable one is one line on stderr, nothing else
     print(f"replaying dead letters of namespace {keys.namespace!r} ({keys.dlq})", flush=True)
     done = total = 0
+    # One pass over the DLQ for a replay of many (a lookup per dead letter would read the whole DLQ each time).
+    index = await dead_letter_index(redis, keys) if args.all or len(args.entry_ids) > 1 else None
     async for eid, fields in _entries(redis, keys, args):
         total += 1
         try:
-            res = await replay_one(redis, keys, eid, fields, args.to, settings, force=args.force)
+            res = await replay_one(redis, keys, eid, fields, args.to, settings, force=args.force, index=index)
         except BackpressureTimeout as e:
             res = ReplayResult(eid, False, f"backpressure: {e}")
         done += res.ok
