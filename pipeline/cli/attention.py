@@ -178,6 +178,9 @@ def _one_worker(w: WorkerStats) -> list[str]:
     out: list[str] = []
     if w.problem:
         out.append(f"{w.stage} {w.consumer}: {w.problem}")
+    if w.checkpoint:
+        out.append(f"{w.stage} {w.consumer}: {w.checkpoint} (the published folder is torn or holds bad tensors; "
+                   "publish the version again)")
     if w.slow:
         out.append(f"{w.stage} {w.consumer}: {w.slow} (slow but alive, not unreachable)")
     invalid = w.drops.get("invalid_logprobs", 0)

@@ -111,6 +111,7 @@ class WorkerStats:
     problem: str | None = None  # what the worker reports as wrong (teacher: its backend failing)
     slow: str | None = None  # alive and working, but slowly (teacher: its backend's calls take long)
     clamped_k: int = 0  # teacher: groups whose k was clamped to the cap (``--k-over-cap clamp``)
+    checkpoint: str | None = None  # rollout: the published version it refused to load, and the one it kept
     settings: dict[str, Any] = field(default_factory=dict)  # feeder: its effective batching settings
     clock_skew_s: float | None = None  # the worker's clock minus Redis's at its last beat (None: unknown)
 
@@ -216,6 +217,7 @@ def worker_of(b: Beat) -> WorkerStats:
         problem=None if not info.get("unhealthy") else str(info["unhealthy"]),
         slow=None if not info.get("slow") else str(info["slow"]),
         clamped_k=_counts({"n": info.get("clamped_k")}).get("n", 0),
+        checkpoint=None if not info.get("checkpoint_not_loadable") else str(info["checkpoint_not_loadable"]),
         settings=dict(settings) if isinstance(settings, dict) else {},
         clock_skew_s=b.skew_s,
     )

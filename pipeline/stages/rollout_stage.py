@@ -103,6 +103,13 @@ class RolloutStage:
         self.loaded = -1  # version of the weights in the local model (weights-dir mode)
         self._reload_lock = asyncio.Lock()
 
+    def report(self) -> dict[str, object]:
+        """Figures for the heartbeat: ``checkpoint_not_loadable``, the published version the student refused and
+        the one it samples with (``pipeline.rollout.refusals``), while such a refusal is in force (``stats``
+        names it under ``attention:``)."""
+        refusals = getattr(self.backend, "checkpoint_refusals", None)  # students that load published weights
+        return {"checkpoint_not_loadable": refusals.report() if refusals is not None else None}
+
     async def current_version(self) -> int:
         """The published version; a local student with a weights directory loads it first (if newer)."""
         version = await self.published()

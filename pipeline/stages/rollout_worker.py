@@ -66,7 +66,7 @@ class RolloutWorker:
         self.producer = StreamProducer(redis, keys, "rollouts", s, shards=shards)
         self.shards, self.max_jobs, self.burst = shards, max_jobs, burst
         self.stats = RunStats()
-        self.heartbeat = Heartbeat(redis, keys.heartbeat("rollout", self.name), s.heartbeat_interval_s)
+        self.heartbeat = Heartbeat(redis, keys.heartbeat("rollout", self.name), s.heartbeat_interval_s, stage.report)
 
     async def run(self, stop: asyncio.Event) -> RunStats:
         """Take prompts until ``stop`` (or, with ``burst``, until none is queued or pending)."""

@@ -15,6 +15,8 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline import metrics
+from pipeline.cli.attention import attention
+from pipeline.cli.streamstats import Snapshot, worker_of
 from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.models.weights import MARKER, CheckpointError, folder_name, load_weights
@@ -23,6 +25,7 @@ from pipeline.rollout.students.hf import HFStudent
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine
 from pipeline.rollout.synced import SyncedStudent
+from pipeline.stages.liveness import Beat
 from pipeline.stages.rollout_stage import RolloutConfig, RolloutStage
 from pipeline.transport.prompts import PromptJob
 from tests.stubs.sync_stub import VLLMSyncStub
@@ -117,6 +120,11 @@ async def test_local_student_refuses_and_keeps_sampling_with_its_version(
     report = refusals.report()
     assert report is not None and report.startswith(f"checkpoint_not_loadable: v2 refused ({kind}: ")
     assert report.endswith("sampling with v1")
+    assert stage.report() == {"checkpoint_not_loadable": report}  # the rollout worker's heartbeat carries it
+    shown = attention(Snapshot(namespace="ns", time=0.0, streams={}, dead_letters=0, max_backlog=1,
+                               workers=[worker_of(Beat("rollout", "r1", {"pid": 1, **stage.report()}, 0.5))]))
+    assert shown == [f"rollout r1: {report} (the published folder is torn or holds bad tensors; publish the version "
+                     "again)"]
     assert torch.equal(dict(student.model.named_parameters())[PARAM], kept) and student.version == 1
 
     reads: list[str] = []
@@ -130,6 +138,7 @@ async def test_local_student_refuses_and_keeps_sampling_with_its_version(
     publish(3, weights)  # the learner publishes a good version: loaded, the refusal is over
     assert await student.load_weights(weights) == 3
     assert refusals.report() is None and student.version == 3
+    assert stage.report() == {"checkpoint_not_loadable": None}
 
 
 # --- servers kept in sync -----------------------------------------------------------------------------------
