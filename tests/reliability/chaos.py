@@ -248,6 +248,9 @@ def loss_counts(incident: dict[str, str]) -> list[int]:
 
 
 class Soak:
+    """One soak: its Redis, teacher stub and processes, the driver's record of what it did and saw, and the
+    analysis (``run``; ``analyse`` turns the record into figures and violations)."""
+
     def __init__(self, cfg: SoakConfig) -> None:
         self.cfg = cfg
         self.rng = Random(cfg.seed + 1)
@@ -586,7 +589,8 @@ class Soak:
                 if p.alive and p.popen is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGCONT)
-            self.workers.close() if hasattr(self, "workers") else None
+            if hasattr(self, "workers"):
+                self.workers.close()
             await self.stub.close()
             await self.r.aclose()
             self.server.stop()
