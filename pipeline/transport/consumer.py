@@ -18,7 +18,9 @@
   ``read``, which returns nothing that time; what happened is logged (``consumer_group_recreated``) and
   recorded as an incident (``pipeline.transport.incidents``): ``redis_data_lost`` once per loss of the
   namespace's data (``pipeline.transport.resets``), ``stream_reset`` by a consumer whose in-flight entries
-  went with it, ``group_destroyed`` when the stream was still there.
+  went with it or that saw the stream hold entries (its length, read at each lease renewal and at most once a
+  second while reading: how many waited and how long before the reset it was seen), ``group_destroyed`` when
+  the stream was still there.
 """
 
 from __future__ import annotations
@@ -153,6 +155,10 @@ class StreamConsumer:
         self.owned: set[str] = set()  # entries handed out by this consumer and not yet settled
         self._own_cursor: str | None = "0"  # paging through our own pending entries; None when done
         self.sentinel = Sentinel(redis, keys)
+        #: The stream's length (its backlog: acknowledged entries are deleted) at the last lease renewal, and when
+        #: (``clock``): what a reset took with it beyond this consumer's own entries (``recover_group``).
+        self.seen_length: int | None = None
+        self.seen_at = 0.0
 
     async def ensure_group(self) -> bool:
         """Create the stream and its consumer group if missing (reading from the start); True if this call
@@ -186,11 +192,16 @@ class StreamConsumer:
                 f"Redis lost the data of namespace {ns} (restarted without persistence, flushed, or failed over "
                 "to an empty replica): its streams, consumer groups and dedupe markers are gone",
                 writer=self.name)
-        if held and (data is not DataState.SAME or not stream_there):
+        known, ago = self.seen_length, self._clock() - self.seen_at
+        self.seen_length = None
+        if (held or known) and (data is not DataState.SAME or not stream_there):
+            seen = "" if known is None else (f", and the stream held {known} entries (waiting or pending) when last "
+                                             f"seen {ago:.0f} s before")
             await incidents.record(
                 self.redis, self.keys, "stream_reset",
-                f"stream {self.key} was reset: {held} entries pending before are gone", writer=self.name,
-                stream=self.stream, key=self.key, entries=held)
+                f"stream {self.key} was reset: {held} entries pending at {self.name} are gone{seen}", writer=self.name,
+                stream=self.stream, key=self.key, entries=held, stream_entries=known,
+                seen_s_before=None if known is None else round(ago, 1))
         elif created and data is DataState.SAME and stream_there:
             await incidents.record(
                 self.redis, self.keys, "group_destroyed",
@@ -239,6 +250,8 @@ class StreamConsumer:
                         self.owned.add(out[-1].entry_id)
         if out:
             metrics.CONSUMED.labels(self.stream, "new").inc(sum(not d.reclaimed for d in out))
+            if self._clock() - self.seen_at >= 1.0:  # what a reset would take with it (at most once a second)
+                await self._observe_length()
         if self.resolve_payloads and any(F_REF in d.fields and F_DATA not in d.fields for d in out):
             return await self._resolve(out)
         return out
@@ -323,6 +336,10 @@ class StreamConsumer:
             except ResponseError as e:
                 if not is_nogroup(e):  # the group is gone: the next read creates it again
                     raise
+        await self._observe_length()
+
+    async def _observe_length(self) -> None:
+        self.seen_length, self.seen_at = int(await self.redis.xlen(self.key)), self._clock()
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Stop owning entries we will not ack (they stay pending and become reclaimable)."""

@@ -49,14 +49,17 @@ async def test_entries_held_when_the_stream_went_are_named_and_none_is_pending(
     prod = StreamProducer(r, keys, "rollouts")
     c = StreamConsumer(r, keys, "rollouts", "c1")
     await c.ensure_group()
-    for i in range(3):
+    for i in range(5):
         await prod.send(synthetic_rollout(2, 5, group_id=f"g{i}", seed=i))
     held = await c.read(3, block_ms=10)
     assert len(held) == 3
+    await c.touch()  # a lease renewal sees the stream's length: 3 pending here, 2 waiting
     await r.delete(c.key, keys.sentinel)  # the stream and the namespace's sentinel gone, as in a restart empty
     assert await c.still_pending(held) == []  # gone: none of them is pending any more, and no error
     named = await incidents.recent(r, keys)
     assert sorted(i.kind for i in named) == ["redis_data_lost", "stream_reset"]
     reset = next(i for i in named if i.kind == "stream_reset")
-    assert reset.text == f"stream {c.key} was reset: 3 entries pending before are gone"
+    assert reset.text == (f"stream {c.key} was reset: 3 entries pending at c1 are gone, and the stream held 5 "
+                          "entries (waiting or pending) when last seen 0 s before")
+    assert reset.fields["entries"] == 3 and reset.fields["stream_entries"] == 5
     assert await r.exists(c.key) == 1 and c.owned == set()  # the group is back (MKSTREAM), nothing owned

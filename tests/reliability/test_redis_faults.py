@@ -135,8 +135,9 @@ async def test_entries_a_worker_held_when_redis_lost_its_data_are_named(namespac
         assert await p.arrived(after, 60), p.teacher.log_text()[-2000:]
         named = await incidents.recent(p.r, p.keys)
         (reset,) = [i for i in named if i.kind == "stream_reset"]
-        assert reset.text == f"stream {key} was reset: 3 entries pending before are gone", reset
-        assert reset.writer == "t1" and reset.fields["entries"] == 3
+        assert reset.text.startswith(f"stream {key} was reset: 3 entries pending at t1 are gone, and the stream "
+                                     "held 3 entries (waiting or pending) when last seen "), reset
+        assert reset.writer == "t1" and reset.fields["entries"] == 3 and reset.fields["stream_entries"] == 3
         assert [i.kind for i in named].count("redis_data_lost") == 1
         assert p.teacher.alive and p.feeder.alive
     finally:
