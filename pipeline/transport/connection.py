@@ -235,10 +235,14 @@ def _os_reason(exc: BaseException) -> str | None:
 
 def redis_error_line(exc: BaseException, url: str | None) -> str:
     """One line for a Redis failure, any password in ``url`` masked: ``cannot reach Redis at URL: Connection
-    refused``, ``Redis at URL refused the credentials: ...``, ``Redis at URL replied with an error: ...``."""
+    refused``, ``Redis at URL refused the credentials: ...``, ``Redis at URL is full: ...``, ``Redis at URL replied
+    with an error: ...``."""
     where = f" at {mask_url(url)}" if url else ""
     if isinstance(exc, AuthenticationError):
         return f"Redis{where} refused the credentials: {str(exc).rstrip('.')}"
+    if is_redis_full(exc):
+        return (f"Redis{where} is full: it refuses writes at its maxmemory (noeviction); free memory or raise "
+                "maxmemory, then run this again (distillq stats shows used and maxmemory)")
     if isinstance(exc, ResponseError):
         return f"Redis{where} replied with an error: {exc}"
     reason = _os_reason(exc)

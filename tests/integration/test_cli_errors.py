@@ -326,3 +326,19 @@ def test_bad_worker_settings_from_flags_or_the_environment_are_usage_errors(
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli.main", *argv], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **env}, check=False)
     assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_redis_at_maxmemory_is_named_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(extra_args=["--maxmemory", "1mb", "--maxmemory-policy", "noeviction"]).start()
+    try:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "x" * 4000}) + "\n" for i in range(400)))
+        code, _, err = run_cli(capsys, "enqueue", str(prompts), "--redis-url", server.url, "--namespace", "full")
+        assert code == 3 and err.count("\n") == 1, err
+        assert err == (f"distillq: Redis at {server.url} is full: it refuses writes at its maxmemory (noeviction); "
+                       "free memory or raise maxmemory, then run this again (distillq stats shows used and "
+                       "maxmemory)\n")
+    finally:
+        server.stop()
