@@ -189,9 +189,11 @@ class AsyncLearner:
             cur = await self._ranks.next(timeout_s, self._read_for_ranks)
             if cur is None:
                 return None
-            rows: Any = await self.redis.xrange(self.consumer.key, cur.entry_id, cur.entry_id)
+            eid = cur.entry_id
+            rows: Any = await retry_transient(functools.partial(self.redis.xrange, self.consumer.key, eid, eid),
+                                              redis=self.redis)
             if not rows or not rows[0][1]:
-                await self._ranks.drop(cur.entry_id)
+                await retry_transient(functools.partial(self._ranks.drop, eid), redis=self.redis)
                 continue
             d = Delivery(cur.entry_id, rows[0][1], reclaimed=cur.redelivered)
             msg = decode(d.payload, self.limits)  # the reading rank checked that it decodes
@@ -201,7 +203,9 @@ class AsyncLearner:
                 raw = _Raw(d, batch_part(msg, self.rank, self.world_size), [], cur.version, (), cur.generation)
             else:
                 part = manifest_part(msg, self.rank, self.world_size)
-                payloads = await self._mget([r.key for r in part.refs]) if part.refs else []
+                wanted = [r.key for r in part.refs]
+                fetch = functools.partial(self._mget, wanted)
+                payloads = await retry_transient(fetch, redis=self.redis) if wanted else []
                 raw = _Raw(d, part, payloads, cur.version, tuple(r.key for r in msg.refs), cur.generation)
             got = await self._build(raw)
             assert got is not None  # a rank's part is handed out even when empty
@@ -303,7 +307,7 @@ class AsyncLearner:
         keys = raw.all_keys if ranked else tuple(r.key for r in m.refs)
         if not groups and not ranked:
             log.warning("batch_without_usable_groups", batch_id=m.batch_id, groups=len(m.refs))
-            await self.consumer.ack([d])
+            await retry_transient(lambda: self.consumer.ack([d]), redis=self.redis)
             return None
         stats = delivery_stats(m.stats, [g.group.policy_version for g in groups], version, dropped)
         return self._batch(d, materialize(msgspec.structs.replace(m, stats=stats), groups), keys, raw.generation)
@@ -327,8 +331,8 @@ class AsyncLearner:
         original = {F_TYPE: b"scored", F_ID: ref.group_id.encode(), **({F_DATA: data} if data is not None else {})}
         fields = dead_letter_fields("learner", reason, "scored", ref.entry_id, self.consumer.name, original,
                                     batch_id=m.batch_id, batch_entry=d.entry_id)
-        await retry_transient(lambda: self.redis.xadd(self.keys.dlq, fields), deadline_s=60)  # type: ignore[arg-type]
-        await retry_transient(lambda: self.redis.delete(ref.key), deadline_s=60)
+        await retry_transient(lambda: self.redis.xadd(self.keys.dlq, fields), redis=self.redis)  # type: ignore[arg-type]
+        await retry_transient(lambda: self.redis.delete(ref.key), redis=self.redis)
         metrics.DEAD_LETTERED.labels("learner", dead_letter_category(reason)).inc()
         log.warning("group_dead_lettered", batch_id=m.batch_id, group_id=ref.group_id, reason=reason)
 
@@ -349,10 +353,11 @@ class AsyncLearner:
             await retry_transient(lambda: self.consumer.ack([batch.delivery], then_delete=batch.payload_keys),
                                   redis=self.redis)
             return True
-        res = await self._ranks.ack(batch.entry_id, batch.generation)
+        ranks = self._ranks  # a repeat after a lost reply is answered as refused or counted: never a double ack
+        res = await retry_transient(lambda: ranks.ack(batch.entry_id, batch.generation), redis=self.redis)
         self.consumer.owned.discard(batch.entry_id)
         if res == 2 and batch.payload_keys:
-            await retry_transient(lambda: self.redis.delete(*batch.payload_keys), deadline_s=60)
+            await retry_transient(lambda: self.redis.delete(*batch.payload_keys), redis=self.redis)
         if res == 2:
             metrics.ACKED.labels("batches").inc()
         return res > 0

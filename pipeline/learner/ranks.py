@@ -34,8 +34,10 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from pipeline import metrics
 from pipeline.backoff import Backoff
 from pipeline.errors import LearnerError
+from pipeline.transport.connection import TRANSIENT
 from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import Keys
 
@@ -142,6 +144,7 @@ class RankGroup:
         self._state = [keys.learner_ranks(), keys.learner_ranks("joined"), keys.learner_ranks("acked")]
         self._lock = keys.learner_ranks("reading")
         self._joined = False
+        self._gen = 0  # the ranks' generation at the last look
         self._handed: tuple[int, str] | None = None  # (generation, entry) handed out and not acked
         self._seen: set[str] = set()  # entries handed to this process before (redelivered if again)
 
@@ -163,36 +166,57 @@ class RankGroup:
         against) or returns ``None``; it is called on one rank at a time, while no batch is current."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         backoff, waited_log = Backoff(base=self.poll_s, cap=max(self.poll_s, 0.05)), time.monotonic()
+        outage = Backoff()  # while Redis is away
         while True:
-            gen_raw, mine, joined, world, entry, entry_gen, version, reclaimed, acked = [
-                _s(x) for x in await self._script(_POLL, self._state, [self.rank])]
-            if mine != self.token:
-                if mine and self._joined:
-                    raise RankTakenOver(f"another process joined as rank {self.rank} of {self.world}")
-                await self.join()
+            try:
+                got = await self._poll(read, end)
+            except TRANSIENT as e:  # Redis away (restarting, failing over): wait for it, never fail the rank
+                delay = outage.next_delay()
+                metrics.REDIS_ERRORS.labels("learner").inc()
+                log.warning("redis_unavailable", stage="learner", rank=self.rank, error=str(e),
+                            retry_in=round(delay, 2))
+                await asyncio.sleep(delay)
                 continue
-            gen = int(gen_raw)
-            if int(joined) >= self.world and int(world) == self.world:
-                if entry and acked == "0":
-                    if self._handed == (gen, entry):
-                        raise RuntimeError("ack the current batch before asking for the next one (learner ranks "
-                                           "move through batches together)")
-                    again = entry in self._seen or int(entry_gen) != gen or reclaimed == "1"
-                    self._handed = (gen, entry)
-                    self._seen.add(entry)
-                    return Current(entry, gen, int(version), again)
-                if not entry and await self._read_as_leader(read, end):
-                    backoff.reset()
-                    continue
-            elif time.monotonic() - waited_log >= WAIT_LOG_S:
+            outage.reset()
+            if isinstance(got, Current):
+                return got
+            if got == "again":
+                backoff.reset()
+                continue
+            if got == "waiting" and time.monotonic() - waited_log >= WAIT_LOG_S:
                 waited_log = time.monotonic()
-                log.warning("learner_ranks_waiting", rank=self.rank, world=self.world, joined=int(joined),
-                            generation=gen)
+                log.warning("learner_ranks_waiting", rank=self.rank, world=self.world, generation=self._gen)
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
                 return None
             delay = backoff.next_delay()
             await asyncio.sleep(delay if left is None else min(delay, left))
+
+    async def _poll(self, read: Callable[[float], Awaitable[tuple[Delivery, int] | None]], end: float | None
+                    ) -> Current | str:
+        """One look at the ranks' state: the current batch, ``again`` (look again now: this rank (re)joined or
+        read the next batch), ``waiting`` (ranks still joining) or ``idle`` (no batch yet)."""
+        gen_raw, mine, joined, world, entry, entry_gen, version, reclaimed, acked = [
+            _s(x) for x in await self._script(_POLL, self._state, [self.rank])]
+        if mine != self.token:
+            if mine and self._joined:
+                raise RankTakenOver(f"another process joined as rank {self.rank} of {self.world}")
+            await self.join()  # also after Redis lost the ranks' state (restarted empty): join again
+            return "again"
+        gen = self._gen = int(gen_raw)
+        if int(joined) >= self.world and int(world) == self.world:
+            if entry and acked == "0":
+                if self._handed == (gen, entry):
+                    raise RuntimeError("ack the current batch before asking for the next one (learner ranks "
+                                       "move through batches together)")
+                again = entry in self._seen or int(entry_gen) != gen or reclaimed == "1"
+                self._handed = (gen, entry)
+                self._seen.add(entry)
+                return Current(entry, gen, int(version), again)
+            if not entry and await self._read_as_leader(read, end):
+                return "again"
+            return "idle"
+        return "waiting"
 
     async def _read_as_leader(
         self, read: Callable[[float], Awaitable[tuple[Delivery, int] | None]], end: float | None
@@ -206,7 +230,12 @@ class RankGroup:
             if got is None:
                 return False
             d, version = got
-            if not int(await self._script(_ASSIGN, self._state[:1], [d.entry_id, version, int(d.reclaimed)])):
+            try:
+                assigned = int(await self._script(_ASSIGN, self._state[:1], [d.entry_id, version, int(d.reclaimed)]))
+            except BaseException:
+                self.consumer.release([d])  # not made current (Redis away): reclaimable once idle
+                raise
+            if not assigned:
                 self.consumer.release([d])  # another batch became current meanwhile: reclaimable once idle
             return True
         finally:

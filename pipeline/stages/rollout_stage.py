@@ -30,6 +30,7 @@ from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.students.base import GenParams, StudentBackend
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import attribute, attribution
+from pipeline.transport.connection import retry_transient
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PromptJob
 from pipeline.transport.prompts import group_id as prompt_group_id
@@ -75,10 +76,10 @@ async def keep_synced(student: SyncedStudent | None, stop: asyncio.Event) -> Asy
 
 
 def published_version(redis: aioredis.Redis, keys: Keys) -> VersionSource:
-    """The ``VersionSource`` of a namespace: its ``policy_version`` key."""
+    """The ``VersionSource`` of a namespace: its ``policy_version`` key (waiting for a Redis that is away)."""
 
     async def read() -> int:
-        raw = await redis.get(keys.policy_version)
+        raw = await retry_transient(lambda: redis.get(keys.policy_version), redis=redis)
         return int(raw) if raw is not None else 0
 
     return read

@@ -8,9 +8,11 @@ Per prompt entry (``max_jobs`` at once): the group is sampled (``RolloutStage.sa
 * a push that waits past ``backpressure_timeout_s`` keeps waiting (``downstream_full``), its entry leased;
 * a stop while sampling or waiting leaves the entry pending: in-flight prompts get ``shutdown_grace_s``, the rest
   are cancelled and another worker reclaims them after ``claim_idle_ms`` (as a killed worker's are);
-* a sample that raises, or a group that cannot be attributed (``unattributable``), leaves the entry pending and
-  records the error on the prompt's record (``rollout_failed``): it is redelivered after ``claim_idle_ms`` and, on
-  its ``max_deliveries``-th failure, dead-lettered with that error as its reason (``dlq replay`` sends it back);
+* a sample that raises, or a group that cannot be attributed (``unattributable``), records the error on the
+  prompt's record (``rollout_failed``) and leaves the entry pending after a backoff (``RETRY_BACKOFF``, the entry
+  leased meanwhile): it is redelivered after ``claim_idle_ms`` and, on its ``max_deliveries``-th failure,
+  dead-lettered with that error as its reason (``dlq replay`` sends it back); a Redis error while sampling is not
+  the prompt's failure (it stays pending, uncounted);
 * a redelivered prompt whose group was written already (the worker died between push and ack) is acknowledged
   without sampling; a second push of its group would be a duplicate anyway (the producer dedupes by group id).
 """
@@ -18,6 +20,7 @@ Per prompt entry (``max_jobs`` at once): the group is sampled (``RolloutStage.sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable
 
@@ -26,6 +29,7 @@ import structlog
 from structlog.contextvars import bound_contextvars
 
 from pipeline import metrics
+from pipeline.backoff import BackoffPolicy
 from pipeline.config import StreamSettings
 from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
 from pipeline.stages.rollout_stage import RolloutStage, keep_synced
@@ -42,6 +46,9 @@ from pipeline.transport.producer import (
 from pipeline.transport.prompts import STREAM, BadPrompt, PromptEntry, note
 
 log = structlog.get_logger("distillq.rollout")
+#: How long a prompt whose sample failed stays leased before it is released for another try (by its delivery
+#: count: up to 1, 2, 4, ... s, at most 30 s, full jitter); then it is reclaimed after ``claim_idle_ms``.
+RETRY_BACKOFF = BackoffPolicy(base=1.0, cap=30.0)
 
 
 class RolloutWorker:
@@ -129,13 +136,16 @@ class RolloutWorker:
             return
         try:
             group = await self.stage.sample(entry.job, entry.epoch, entry.group_id)
+        except TRANSIENT as e:  # Redis away while sampling: not the prompt's failure; pending, sampled again
+            log.warning("redis_unavailable", stage="rollout", error=str(e))
+            metrics.REDIS_ERRORS.labels("rollout").inc()
+            return
         except Exception as e:
             log.warning("rollout_failed", error=str(e), exc_info=True)
-            await self._failed(d, entry, f"rollout_failed: {type(e).__name__}: {e}")
+            await self._failed(d, entry, f"rollout_failed: {type(e).__name__}: {e}", stop)
             return
-        if group is None:  # counted by the stage too (distillq_unattributed_samples_total)
-            self._count("unattributable")
-            await self._failed(d, entry, "unattributable: the servers' weights changed under every sample")
+        if group is None:  # counted by the stage (distillq_unattributed_samples_total), a failure here
+            await self._failed(d, entry, "unattributable: the servers' weights changed under every sample", stop)
             return
         while True:
             try:
@@ -166,21 +176,25 @@ class RolloutWorker:
         await self._bookkeep(lambda: note(self.redis, self.keys, entry, "done", entry.group_id))
         self._count(outcome)
 
-    async def _failed(self, d: Delivery, entry: PromptEntry, reason: str) -> None:
-        """A sample that failed: recorded and left pending; dead-lettered with its reason on the last delivery."""
+    async def _failed(self, d: Delivery, entry: PromptEntry, reason: str, stop: asyncio.Event) -> None:
+        """A sample that failed: recorded and left pending after a backoff (``RETRY_BACKOFF`` by its delivery
+        count, the entry leased meanwhile); dead-lettered with its reason on the last delivery."""
         self._count("failed")
+        await self._bookkeep(lambda: note(self.redis, self.keys, entry, "error", reason[:500]))
         if d.deliveries >= self.settings.max_deliveries:
             why = f"{reason} (delivered {d.deliveries} times)"
             await self._bookkeep(functools.partial(self.consumer.dead_letter, d, why))
             self._count("dead_letter")
-        await self._bookkeep(lambda: note(self.redis, self.keys, entry, "error", reason[:500]))
+            return
+        with contextlib.suppress(TimeoutError):  # a stop ends the wait: the entry stays pending either way
+            await asyncio.wait_for(stop.wait(), RETRY_BACKOFF.delay(d.deliveries))
 
     async def _bookkeep(self, op: Callable[[], Awaitable[object]]) -> None:
         """Acks, dead letters and record notes: shielded from cancellation and retried over Redis outages."""
         await asyncio.shield(retry_transient(op, deadline_s=max(30.0, self.settings.shutdown_grace_s)))
 
     def _count(self, outcome: str, n: int = 1) -> None:
-        if outcome not in ("failed", "unattributable"):
+        if outcome != "failed":
             self.stats.handled += n
         self.stats.outcomes[outcome] += n
         metrics.STAGE_MESSAGES.labels("rollout", outcome).inc(n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,10 +17,12 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
+from pipeline.backoff import BackoffPolicy
 from pipeline.cli.locate import locate
 from pipeline.cli.main import build_parser, main
 from pipeline.config import StreamSettings
 from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
+from pipeline.stages import rollout_worker
 from pipeline.stages.rollout_stage import RolloutStage
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.consumer import StreamConsumer
@@ -56,10 +59,12 @@ class Scripted(RolloutStage):
     def __init__(self, fail: frozenset[str] = frozenset(), gate: asyncio.Event | None = None, version: int = 0) -> None:
         self.synced, self.fail, self.gate, self.version = None, fail, gate, version
         self.calls: Counter[str] = Counter()
+        self.times: dict[str, list[float]] = {}  # when each prompt was sampled (monotonic)
         self.started = asyncio.Event()
 
     async def sample(self, job: PromptJob, epoch: int, group_id: str | None = None) -> RolloutGroup | None:
         self.calls[job.id] += 1
+        self.times.setdefault(job.id, []).append(time.monotonic())
         self.started.set()
         if self.gate is not None:
             await self.gate.wait()
@@ -156,13 +161,18 @@ async def test_four_prompts_behind_a_full_stream_past_the_backpressure_timeout_a
 
 
 async def test_a_prompt_that_fails_every_time_is_dead_lettered_with_its_error_and_replayable(
-    redis_url: str, keys: Keys, r: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+    redis_url: str, keys: Keys, r: aioredis.Redis, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(rollout_worker, "RETRY_BACKOFF", BackoffPolicy(base=0.4, cap=5.0, jitter=False))
     await enqueue_prompts(r, keys, [PromptJob(id="bad", prompt="?"), PromptJob(id="good", prompt="1+1=")])
     stage = Scripted(fail=frozenset({"bad"}))
     worker = RolloutWorker(r, keys, stage, fast(), consumer_name="w", burst=True)
     stats = await asyncio.wait_for(worker.run(asyncio.Event()), 30)
     assert stage.calls == {"bad": 3, "good": 1}  # max_deliveries=3 tries, then given up
+    # Tries spaced by the backoff (0.4 s, then 0.8 s, the entry leased meanwhile), then the reclaim: idle for
+    # claim_idle_ms (0.3 s) since its last lease renewal, which came at most a third of that before the release.
+    t = stage.times["bad"]
+    assert t[1] - t[0] >= 0.4 + 0.2 and t[2] - t[1] >= 0.8 + 0.2 and t[2] - t[1] > t[1] - t[0], t
     assert stats.outcomes["failed"] == 3 and stats.outcomes["dead_letter"] == 1
     assert await group_ids(r, keys) == ["0:good"]
     ((eid, fields),) = await r.xrange(keys.dlq)
