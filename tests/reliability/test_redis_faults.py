@@ -225,3 +225,50 @@ async def test_redis_at_maxmemory_is_backpressure_with_its_cause_named_not_dead_
             os.kill(p.teacher.pid, signal.SIGCONT)
         await p.close()
         server.stop()
+
+
+async def test_learner_ranks_wait_out_a_redis_restart() -> None:
+    """Two learner ranks move through their batches together while Redis crashes and restarts (on its AOF) under
+    them: the rank polling for the next batch and the one coming back after it wait, neither raises, and every
+    batch reaches both ranks once."""
+    from tests.integration.test_learner_ranks import batches_of_uneven_groups
+
+    server = RedisServer(extra_args=["--appendonly", "yes", "--appendfsync", "always"]).start()
+    keys = Keys("ranks-restart")
+    r = redis_client(server.url)
+    ranks = [AsyncLearner(server.url, namespace=keys.namespace, settings=fast_settings(), rank=i, world_size=2)
+             for i in range(2)]
+    got: dict[int, list[str]] = {0: [], 1: []}
+    restarted = asyncio.Event()
+    try:
+        batches = await batches_of_uneven_groups(r, keys)
+
+        async def run(rank: int) -> None:
+            for _ in batches:
+                if rank == 1 and got[1]:
+                    await restarted.wait()  # rank 1 asks again only once Redis came back; rank 0 polls through
+                b = await ranks[rank].next_batch(60)
+                assert b is not None
+                got[rank].append(b.entry_id)
+                assert await ranks[rank].ack(b)
+
+        both = asyncio.gather(run(0), run(1))
+        assert await wait_until(lambda: _true(len(got[1]) == 1), 30)
+        await asyncio.sleep(0.5)  # rank 0 is polling for the next batch, which waits for rank 1's ack
+        await asyncio.to_thread(server.kill)  # a crash, then 3 s away: longer than a connection's own retries
+        await asyncio.sleep(3)
+        await asyncio.to_thread(server.start)
+        restarted.set()
+        await asyncio.wait_for(both, 90)
+        assert got[0] == got[1] == [eid for eid, _ in batches]
+        assert await r.xlen(keys.stream("batches")) == 0
+        report("learner_ranks_redis_restart", batches=len(batches), per_rank=[len(got[0]), len(got[1])])
+    finally:
+        for x in ranks:
+            await x.aclose()
+        await r.aclose()
+        server.stop()
+
+
+async def _true(value: bool) -> bool:
+    return value
