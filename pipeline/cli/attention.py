@@ -187,8 +187,9 @@ def _one_worker(w: WorkerStats) -> list[str]:
     if invalid:
         out.append(f"{w.stage} {w.consumer} got invalid teacher values for {invalid} group(s) (NaN, infinity, above 0 "
                    "or at the floor): their payloads were dropped (invalid_logprobs); check the teacher server")
-    if w.drops:
-        out.append(f"{w.stage} {w.consumer} dropped teacher payloads: {counts(w.drops)} (the groups flow on "
+    others = {k: v for k, v in w.drops.items() if k != "invalid_logprobs"}  # those have their own line above
+    if others:
+        out.append(f"{w.stage} {w.consumer} dropped teacher payloads: {counts(others)} (the groups flow on "
                    "without teacher signal; teacher_payload_dropped in its log)")
     if w.clamped_k:
         out.append(f"{w.stage} {w.consumer} clamped k for {w.clamped_k} groups (k asked above the cap)")

@@ -261,7 +261,7 @@ class StreamProducer:
         deadline = loop.time() + s.backpressure_timeout_s
         backoff = Backoff(base=0.01, cap=0.5)
         waited_since: float | None = None
-        why = ""
+        why, why_code = "", 0
         while True:
             op = self._attempt(fast, single, key, reservations, markers, token, fields, payload, blob, mid)
             code, value, index = await self._pass(op, stop, max(1.0, deadline - loop.time()))
@@ -279,7 +279,8 @@ class StreamProducer:
                 return Added(AddResult.DUPLICATE, value.decode(), int(index))
             if waited_since is None:
                 waited_since = time.monotonic()
-            why = await self._log_wait(code, why, mid)
+            if code != why_code:  # a wait begins, or its cause changes: name it once
+                why, why_code = await self._log_wait(code, mid), code
             if stop is not None and stop.is_set():
                 raise ProducerStopped(f"stop requested while waiting for capacity on {self.stream!r}")
             if loop.time() >= deadline:
@@ -298,15 +299,13 @@ class StreamProducer:
             return _REDIS_FULL, b"", -1
         return int(code), value, int(index)
 
-    async def _log_wait(self, code: int, why: str, mid: str) -> str:
-        """Log a wait that begins or whose cause changes (``backpressure_wait``, or ``redis_full`` with
-        used/maxmemory); the cause."""
+    async def _log_wait(self, code: int, mid: str) -> str:
+        """Log a wait (``backpressure_wait``, or ``redis_full`` with used/maxmemory); its cause."""
         cause = await self._wait_cause(code)
-        if cause != why:
-            if code == _REDIS_FULL:
-                log.warning("redis_full", stream=self.stream, reason=cause, group_id=mid)
-            else:
-                log.info("backpressure_wait", stream=self.stream, reason=cause, group_id=mid)
+        if code == _REDIS_FULL:
+            log.warning("redis_full", stream=self.stream, reason=cause, group_id=mid)
+        else:
+            log.info("backpressure_wait", stream=self.stream, reason=cause, group_id=mid)
         return cause
 
     def _timed_out(self, code: int, why: str) -> BackpressureTimeout:
