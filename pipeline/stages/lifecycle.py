@@ -15,7 +15,7 @@
 * **graceful shutdown**: work started with ``spawn`` is in flight (``in_flight`` counts its messages,
   ``wait_slot`` waits for one to finish); on exit the loop body has stopped reading, in-flight work gets
   ``grace_s`` to finish (``draining``) and what still runs is cancelled (``cancelled_in_flight``).
-  ``within_grace`` gives the same grace period to work the lifecycle did not start (an arq worker's jobs).
+  ``within_grace`` gives the same grace period to any set of tasks.
 
 Nothing here raises on a Redis error: the heartbeat and lease renewal count theirs and go on.
 """

@@ -28,7 +28,7 @@ from schemas.build import synthetic_rollout
 
 pytestmark = pytest.mark.redis
 
-#: Well past the ~1030 tries after which the old delay computation overflowed.
+#: Well past the ~1030 tries after which an uncapped ``base * 2**attempt`` overflows a float.
 TRIES = 3000
 
 

@@ -204,7 +204,7 @@ async def test_3_full_streams_orphaned_consumers_and_queued_jobs_show_in_stats(
     (orphan,) = [c for g in snap["streams"]["rollouts"]["groups"] for c in g["consumer_list"]]
     assert orphan["name"] == "teacher-gone" and orphan["heartbeat"] is False and 50 < orphan["reclaim_in_s"] <= 60
     p = dq(url, namespace, "stats", env=env)
-    assert "rollout jobs queued: 12" in p.stdout and "3 FULL" in p.stdout
+    assert "prompts queued: 12" in p.stdout and "3 FULL" in p.stdout
     assert "rollouts is full (3 entries, cap 3 per stream key)" in p.stdout
     assert "rollouts: consumer teacher-gone holds 2 entries and has no live heartbeat; a live teacher worker " \
            "reclaims them in" in p.stdout

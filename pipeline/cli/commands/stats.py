@@ -106,7 +106,7 @@ def render(snap: Snapshot) -> Group:
     version = "never set" if snap.policy_version is None else str(snap.policy_version)
     jobs = "?" if snap.rollout_jobs is None else str(snap.rollout_jobs)
     parts.append(f"dead letters: [{color}]{snap.dead_letters}[/{color}]   policy version: {version}   "
-                 f"rollout jobs queued: {jobs}   backlog cap: {snap.max_backlog} entries per stream key   "
+                 f"prompts queued: {jobs}   backlog cap: {snap.max_backlog} entries per stream key   "
                  f"{memory_line(snap)}   added/s: ≥ ids of the last window still queued; exact rates show with "
                  "--watch")
     notes = attention(snap)
