@@ -33,16 +33,11 @@ from pipeline.backoff import BackoffPolicy
 from pipeline.config import StreamSettings
 from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
 from pipeline.stages.rollout_stage import RolloutStage, keep_synced
+from pipeline.stages.runloop import bookkeep, drained, send_waiting
 from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import (
-    BackpressureTimeout,
-    MessageTooLarge,
-    ProducerStopped,
-    StreamProducer,
-    is_written,
-)
+from pipeline.transport.producer import MessageTooLarge, StreamProducer, is_written
 from pipeline.transport.prompts import STREAM, BadPrompt, PromptEntry, note
 
 log = structlog.get_logger("distillq.rollout")
@@ -106,14 +101,8 @@ class RolloutWorker:
                 continue
             for d in batch:
                 life.spawn(self._process(d, stop))
-            if not batch and self.burst and not life.in_flight and await self._drained():
+            if not batch and self.burst and not life.in_flight and await drained(self.consumer):
                 return
-
-    async def _drained(self) -> bool:
-        try:
-            return await self.consumer.pending_count() == 0 and await self.consumer.backlog() == 0
-        except TRANSIENT:
-            return False
 
     async def _process(self, d: Delivery, stop: asyncio.Event) -> None:
         try:
@@ -147,20 +136,14 @@ class RolloutWorker:
         if group is None:  # counted by the stage (distillq_unattributed_samples_total), a failure here
             await self._failed(d, entry, "unattributable: the servers' weights changed under every sample", stop)
             return
-        while True:
-            try:
-                # The reservation is named after the prompt entry: a redelivery after a crash between
-                # reservation and write resumes it instead of waiting for it to expire.
-                added = await self.producer.send(group, stop=stop, token=f"{STREAM}:{d.entry_id}")
-                break
-            except ProducerStopped:
-                return  # stopped while waiting for capacity: pending, another worker samples it again
-            except BackpressureTimeout as e:  # downstream stalled: keep the prompt (leased), keep waiting
-                log.error("downstream_full", stage="rollout", error=str(e))
-            except MessageTooLarge as e:
-                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"output_too_large: {e}"))
-                self._count("dead_letter")
-                return
+        try:
+            added = await send_waiting(self.producer, group, stop=stop, token=f"{STREAM}:{d.entry_id}", stage="rollout")
+        except MessageTooLarge as e:
+            await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"output_too_large: {e}"))
+            self._count("dead_letter")
+            return
+        if added is None:
+            return  # stopped while waiting for capacity: pending, another worker samples it again
         log.info("group_pushed", group_id=group.group_id, policy_version=group.policy_version,
                  result=added.result.value)
         await self._finish(d, entry, "emitted" if added.result.value == "added" else "duplicate")
@@ -190,8 +173,7 @@ class RolloutWorker:
             await asyncio.wait_for(stop.wait(), RETRY_BACKOFF.delay(d.deliveries))
 
     async def _bookkeep(self, op: Callable[[], Awaitable[object]]) -> None:
-        """Acks, dead letters and record notes: shielded from cancellation and retried over Redis outages."""
-        await asyncio.shield(retry_transient(op, deadline_s=max(30.0, self.settings.shutdown_grace_s)))
+        await bookkeep(self.redis, op, self.settings.shutdown_grace_s)
 
     def _count(self, outcome: str, n: int = 1) -> None:
         if outcome != "failed":

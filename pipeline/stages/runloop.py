@@ -32,18 +32,19 @@ from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import (
+    Added,
     BackpressureTimeout,
     MessageTooLarge,
     ProducerStopped,
     StreamProducer,
     is_written,
 )
-from pipeline.transport.sharding import make_consumer
+from pipeline.transport.sharding import Consumer, make_consumer
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
 
 __all__ = [  # Heartbeat, RunStats, default_consumer_name and renew_leases live in pipeline.stages.lifecycle
     "Ack", "DeadLetter", "Emit", "Heartbeat", "Outcome", "Retry", "RunStats", "StageLogic", "StageRunner",
-    "default_consumer_name", "renew_leases",
+    "bookkeep", "default_consumer_name", "drained", "renew_leases", "send_waiting",
 ]
 
 log = structlog.get_logger("distillq.runloop")
@@ -86,6 +87,36 @@ class StageLogic(Protocol[M_in]):
     name: str
 
     async def handle(self, msgs: Sequence[M_in]) -> Sequence[Outcome]: ...
+
+
+async def send_waiting(producer: StreamProducer, msg: Message, *, stop: asyncio.Event, token: str,
+                       stage: str) -> Added | None:
+    """Write ``msg`` to ``producer``'s stream, waiting as long as it is full (``downstream_full`` logged at each
+    backpressure timeout: the caller's input stays leased meanwhile); None when stopped while waiting.
+    ``token`` names the write's reservation after the input entry: a redelivery after a crash between
+    reservation and write resumes it instead of waiting for it to expire. ``MessageTooLarge`` propagates."""
+    while True:
+        try:
+            return await producer.send(msg, stop=stop, token=token)
+        except ProducerStopped:
+            return None
+        except BackpressureTimeout as e:
+            log.error("downstream_full", stage=stage, error=str(e))
+
+
+async def bookkeep(redis: aioredis.Redis, op: Callable[[], Awaitable[object]], grace_s: float) -> None:
+    """Acks, dead letters and other records of an input's fate: shielded from cancellation and retried over
+    Redis outages (at least 30 s, or ``grace_s``); Redis at maxmemory is waited out (``redis_full``), the entry
+    kept, never counted as a failed delivery."""
+    await asyncio.shield(retry_transient(op, deadline_s=max(30.0, grace_s), redis=redis))
+
+
+async def drained(consumer: Consumer) -> bool:
+    """Nothing pending and nothing waiting on ``consumer``'s stream (False when Redis cannot say)."""
+    try:
+        return await consumer.pending_count() == 0 and await consumer.backlog() == 0
+    except TRANSIENT:
+        return False
 
 
 class StageRunner(Generic[M]):
@@ -156,18 +187,12 @@ class StageRunner(Generic[M]):
                         continue
                     if batch:
                         life.spawn(self._process(batch, stop), len(batch))
-                    elif burst and not life.in_flight and await self._drained(stop):
+                    elif burst and not life.in_flight and await drained(self.consumer):
                         break
         finally:
             log.info("stage_stopped", stage=self.stage, consumer=self.name, handled=self.stats.handled,
                      outcomes=dict(self.stats.outcomes))
         return self.stats
-
-    async def _drained(self, stop: asyncio.Event) -> bool:
-        try:
-            return await self.consumer.pending_count() == 0 and await self.consumer.backlog() == 0
-        except TRANSIENT:
-            return False
 
     async def _process(self, batch: list[Delivery], stop: asyncio.Event) -> None:
         try:
@@ -244,20 +269,15 @@ class StageRunner(Generic[M]):
         if isinstance(o, Emit):
             if self.producer is None:
                 raise RuntimeError(f"{self.stage} emitted but has no output stream")
-            while True:
-                try:
-                    # The reservation is named after the input entry: a redelivery after a crash between
-                    # reservation and write resumes it instead of waiting for it to expire.
-                    await self.producer.send(o.msg, stop=stop, token=f"{self.consumer.stream}:{d.shard}:{d.entry_id}")
-                    break
-                except ProducerStopped:
-                    return False
-                except BackpressureTimeout as e:  # downstream stalled: keep the input (leased), keep waiting
-                    log.error("downstream_full", stage=self.stage, error=str(e))
-                except MessageTooLarge as e:
-                    await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"output_too_large: {e}"))
-                    self._count("dead_letter")
-                    return True
+            try:
+                added = await send_waiting(self.producer, o.msg, stop=stop, stage=self.stage,
+                                           token=f"{self.consumer.stream}:{d.shard}:{d.entry_id}")
+            except MessageTooLarge as e:
+                await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"output_too_large: {e}"))
+                self._count("dead_letter")
+                return True
+            if added is None:
+                return False
             log.debug("emitted", stage=self.stage)
             acks.append(d)
             self._count("emitted")
@@ -272,10 +292,7 @@ class StageRunner(Generic[M]):
         return True
 
     async def _bookkeep(self, op: Callable[[], Awaitable[object]]) -> None:
-        """Acks and dead letters: shielded from cancellation and retried over Redis outages; Redis at
-        maxmemory is waited out (``redis_full``), the entry kept, never counted as a failed delivery."""
-        deadline = max(30.0, self.settings.shutdown_grace_s)
-        await asyncio.shield(retry_transient(op, deadline_s=deadline, redis=self.redis))
+        await bookkeep(self.redis, op, self.settings.shutdown_grace_s)
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.stats.handled += n
