@@ -51,7 +51,10 @@ async def test_no_live_feeder_then_feeders_that_disagree_then_batches_without_a_
     f1.kill()
     f2.kill()
     assert await wait_until(lambda: _says(url, namespace, "no live learner worker (no consumer in its group)"), 10)
-    assert not any("disagree" in x for x in attention(url, namespace))  # their heartbeats expired
+
+    async def agreed() -> bool:  # their heartbeats expired (three intervals after the kill): no disagreement left
+        return not await _says(url, namespace, "disagree")
+    assert await wait_until(agreed, 10), attention(url, namespace)
 
 
 async def _beats(r: Any, key: str, pid: int) -> bool:
