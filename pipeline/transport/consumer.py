@@ -32,12 +32,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.transport import incidents
-from pipeline.transport.connection import is_cluster_client, is_nogroup, retry_transient
+from pipeline.transport.connection import TRANSIENT, is_cluster_client, is_nogroup, retry_transient
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
 from pipeline.transport.resets import DataState, Sentinel
@@ -100,10 +100,6 @@ async def resolve_payloads(redis: aioredis.Redis, entries: Sequence[dict[bytes, 
     return [F_DATA in f for f in entries]
 
 
-#: How many of the DLQ's newest entries a repeated ``dead_letter`` call looks through for the one it wrote.
-DEAD_LOOKBACK = 200
-
-
 def dead_letter_fields(
     stage: str, reason: str, source: str, source_id: str, consumer: str, original: Mapping[bytes, bytes],
     **extra: str | int,
@@ -161,7 +157,6 @@ class StreamConsumer:
         self.sentinel = Sentinel(redis, keys)
         #: The stream's length (its backlog: acknowledged entries are deleted) at the last lease renewal, and when
         #: (``clock``): what a reset took with it beyond this consumer's own entries (``recover_group``).
-        self._dead_tried: set[str] = set()  # entries whose dead letter was written or tried, not yet acked
         self.seen_length: int | None = None
         self.seen_at = 0.0
 
@@ -344,7 +339,11 @@ class StreamConsumer:
         await self._observe_length()
 
     async def _observe_length(self) -> None:
-        self.seen_length, self.seen_at = int(await self.redis.xlen(self.key)), self._clock()
+        """Best effort: a Redis (or a cluster node) that is away leaves the last length seen."""
+        try:
+            self.seen_length, self.seen_at = int(await self.redis.xlen(self.key)), self._clock()
+        except (*TRANSIENT, RedisError, RedisClusterException):
+            pass
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Stop owning entries we will not ack (they stay pending and become reclaimable)."""
@@ -410,24 +409,12 @@ class StreamConsumer:
                 d.fields[F_DATA] = blob
         fields = dead_letter_fields(self.stage, reason, self.stream, d.entry_id, self.name, d.fields,
                                     source_shard=d.shard, deliveries=d.deliveries)
-        # A call again for the same entry (the caller retries after an error whose effect is unknown: the XADD's
-        # reply lost, or the ack failed) writes no second dead letter if the first one is there.
-        again = d.entry_id in self._dead_tried
-        self._dead_tried.add(d.entry_id)
-        if not (again and await self._dead_letter_written(d.entry_id)):
-            # Redis at maxmemory refuses the XADD: wait for room (logged ``redis_full``), never count it a failure
-            await retry_transient(lambda: self.redis.xadd(self.keys.dlq, fields), deadline_s=0,  # type: ignore[arg-type]
-                                  redis=self.redis)
+        # Redis at maxmemory refuses the XADD: wait for room (logged ``redis_full``), never count it a failure
+        await retry_transient(lambda: self.redis.xadd(self.keys.dlq, fields), deadline_s=0,  # type: ignore[arg-type]
+                              redis=self.redis)
         await self.ack([d])
-        self._dead_tried.discard(d.entry_id)
         metrics.DEAD_LETTERED.labels(self.stage, dead_letter_category(reason)).inc()
         log.warning("dead_lettered", stream=self.stream, entry_id=d.entry_id, group_id=d.group_id, reason=reason)
-
-    async def _dead_letter_written(self, entry_id: str) -> bool:
-        """Whether a dead letter of this stream's entry ``entry_id`` is among the DLQ's newest (``DEAD_LOOKBACK``)."""
-        rows: Any = await self.redis.xrevrange(self.keys.dlq, count=DEAD_LOOKBACK)
-        mine = (entry_id.encode(), self.stream.encode(), str(self.shard or 0).encode())
-        return any((f.get(b"source_id"), f.get(b"source"), f.get(b"source_shard")) == mine for _, f in rows)
 
     async def pending_count(self) -> int:
         try:

@@ -91,31 +91,3 @@ async def test_feeder_batches_what_it_read_when_the_version_read_fails(r: aiored
     stats = await asyncio.wait_for(feeder.run(asyncio.Event(), burst=True), 20)
     assert calls[0] >= 2 and stats.outcomes["batched"] == 3
     assert feeder.consumer.owned == set() and await r.xlen(keys.stream("scored")) == 0
-
-
-async def test_a_dead_letter_retried_after_a_failed_ack_is_written_once(r: aioredis.Redis, keys: Keys) -> None:
-    """The caller retries ``dead_letter`` after an error whose effect it cannot know (here: the XADD went through,
-    the ack did not): the DLQ holds one dead letter of the entry, and the entry is settled."""
-    await StreamProducer(r, keys, "rollouts").send(synthetic_rollout(1, 8, group_id="g"))
-    c = StreamConsumer(r, keys, "rollouts", "c1")
-    await c.ensure_group()
-    (d,) = await c.read(1, block_ms=10)
-    real_ack, failures = c.ack, [RedisConnectionError("Connection closed by server.")]
-
-    async def ack_once_failing(*args: Any, **kwargs: Any) -> Any:
-        if failures:
-            raise failures.pop()
-        return await real_ack(*args, **kwargs)
-
-    c.ack = ack_once_failing  # type: ignore[method-assign]
-    with pytest.raises(RedisConnectionError):
-        await c.dead_letter(d, "bad: once")
-    await c.dead_letter(d, "bad: once")  # the retry
-    rows = await r.xrange(keys.dlq)
-    assert [f[b"reason"] for _, f in rows] == [b"bad: once"]
-    assert await c.pending_count() == 0 and await r.xlen(c.key) == 0
-
-    await StreamProducer(r, keys, "rollouts").send(synthetic_rollout(1, 8, group_id="h"))
-    (e,) = await c.read(1, block_ms=10)
-    await c.dead_letter(e, "bad: twice")  # another entry: its own dead letter
-    assert [f[b"orig_gid"] for _, f in await r.xrange(keys.dlq)] == [b"g", b"h"]
