@@ -31,10 +31,17 @@ from pipeline.backoff import Backoff
 from pipeline.config import RedisSettings
 from pipeline.transport import bigio
 
-__all__ = ["TRANSIENT", "Backoff", "connect", "is_nogroup", "is_redis_full", "mask_url", "memory_use",
-           "redis_error_line", "retry_transient"]
+__all__ = ["TRANSIENT", "Backoff", "ClusterUnreachableError", "connect", "is_nogroup", "is_redis_full", "mask_url",
+           "memory_use", "redis_error_line", "retry_transient"]
 
 T = TypeVar("T")
+
+
+class ClusterUnreachableError(RedisConnectionError):
+    """No node of a Redis Cluster answered, or the nodes that did left slots uncovered (a master away): transient,
+    like a single Redis that cannot be reached. redis-py says this with a plain ``RedisClusterException``."""
+
+
 #: Errors that mean "Redis is away" (or a cluster master is failing over); callers back off and retry.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, TryAgainError,
              MasterDownError, ConnectionError, OSError)
@@ -71,6 +78,41 @@ def is_cluster_client(redis: object) -> bool:
     return type(redis).__name__ == "RedisCluster"
 
 
+def _seeded(manager: Any) -> Any:
+    """``manager`` (redis-py's ``NodesManager``) as one that always asks the URL's nodes too, and says "unreachable"
+    as a transient error (``ClusterUnreachableError``).
+
+    redis-py (5.3) drops a node from its startup list on every connection error and then closes every node's
+    connections, so the other tasks' reads fail too and drop their nodes: one master killed under concurrent
+    readers empties the list, and the client raises "Redis Cluster cannot be connected" for ever after (measured
+    on a 3-master cluster). The URL's nodes are put back before each discovery."""
+    from redis.asyncio.cluster import ClusterNode, NodesManager
+    from redis.cluster import get_node_name
+
+    class SeededNodesManager(NodesManager):
+        __slots__ = ("seeds",)
+        seeds: list[tuple[str, int]]
+
+        async def initialize(self) -> None:
+            for host, port in self.seeds:
+                if get_node_name(host, port) not in self.startup_nodes:
+                    node = ClusterNode(host, port, **self.connection_kwargs)
+                    self.startup_nodes[node.name] = node
+            try:
+                await super().initialize()
+            except RedisClusterException as e:
+                if type(e) is RedisClusterException and str(e).startswith(
+                        ("Redis Cluster cannot be connected", "All slots are not covered")):
+                    raise ClusterUnreachableError(str(e)) from e
+                raise
+
+    seeded = SeededNodesManager(list(manager.startup_nodes.values()), manager.require_full_coverage,
+                                manager.connection_kwargs, address_remap=manager.address_remap,
+                                event_dispatcher=manager._event_dispatcher)
+    seeded.seeds = [(node.host, node.port) for node in manager.startup_nodes.values()]
+    return seeded
+
+
 def _connect_cluster(settings: RedisSettings, kwargs: dict[str, object]) -> aioredis.Redis:
     """``redis+cluster://[user:pass@]host:port,host:port`` -> a RedisCluster (same command API)."""
     from urllib.parse import urlsplit
@@ -91,8 +133,11 @@ def _connect_cluster(settings: RedisSettings, kwargs: dict[str, object]) -> aior
     if not tls:
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             kwargs.pop(name, None)
+    # RedisCluster re-sends a command after a connection error or CLUSTERDOWN (cluster_error_retry_attempts, and
+    # its pipelines need at least 1): harmless, since every operation distillq retries is written to be repeated.
     client: Any = RedisCluster(startup_nodes=nodes, username=user or None, password=password or None, ssl=tls,
                                **kwargs)
+    client.nodes_manager = _seeded(client.nodes_manager)
     # RedisCluster is not a Redis subclass, but it offers the same API for every command distillq sends
     # (all multi-key operations stay within one hash slot); tests run the pipeline on a real cluster.
     return cast(aioredis.Redis, client)
