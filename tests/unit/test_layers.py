@@ -42,7 +42,6 @@ ALLOWED: dict[str, set[str]] = {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
         "pipeline.models", "pipeline.learner", "pipeline.serve", "workers",
     },
-    "pipeline.ops": {"pipeline.base"},  # the old path of pipeline.cli (module names in a table, not imports)
     # the public API: re-exports only, and no layer imports it
     "distillq": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.learner", "pipeline.serve", "pipeline.teacher",
