@@ -1,24 +1,15 @@
 """Student rollouts: inference backends, the token tracker, the OpenAI-compatible facade, rewards.
 
 The HF and vLLM backends are not imported here (``torch`` / ``httpx`` stay optional at import time):
-import ``pipeline.rollout.students.hf`` or ``pipeline.rollout.students.vllm`` directly. Their old paths
-(``pipeline.rollout.student_base``, ``student_hf``, ``student_vllm``) still import the moved modules (``MOVED``).
+import ``pipeline.rollout.students.hf`` or ``pipeline.rollout.students.vllm`` directly.
 """
 
-from pipeline.moved import keep_old_paths
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.openai_types import ChatCompletion, ChatCompletionChunk, Stream, TextCompletion
 from pipeline.rollout.rewards import RewardFn, get_reward, register_reward
 from pipeline.rollout.sampler import group_from_tracker, sample_group
 from pipeline.rollout.students.base import Completion, GenParams, StudentBackend, StudentBackendError
 from pipeline.rollout.tracker import Node, Tracker, TrackerState, TrackerStats
-
-MOVED: dict[str, str] = {
-    "pipeline.rollout.student_base": "pipeline.rollout.students.base",
-    "pipeline.rollout.student_hf": "pipeline.rollout.students.hf",
-    "pipeline.rollout.student_vllm": "pipeline.rollout.students.vllm",
-}
-keep_old_paths(MOVED)
 
 __all__ = [
     "ChatCompletion",
