@@ -16,8 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("distillq", "schemas", "pipeline", "workers", "bench")
-BASE = {"pipeline.config", "pipeline.flags", "pipeline.metrics", "pipeline.logs", "pipeline.urls", "pipeline.moved",
-        "pipeline.backoff"}
+BASE = {"pipeline.config", "pipeline.flags", "pipeline.metrics", "pipeline.logs", "pipeline.urls", "pipeline.backoff"}
 
 # layer -> the layers it may import (besides itself and EVERYWHERE)
 ALLOWED: dict[str, set[str]] = {
