@@ -27,7 +27,7 @@ from structlog.contextvars import bound_contextvars
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
-from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name, renew_leases
+from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
 from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery
 from pipeline.transport.keys import Keys
@@ -42,10 +42,8 @@ from pipeline.transport.producer import (
 from pipeline.transport.sharding import Consumer, make_consumer
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
 
-__all__ = [  # Heartbeat, RunStats, default_consumer_name and renew_leases live in pipeline.stages.lifecycle
-    "Ack", "DeadLetter", "Emit", "Heartbeat", "Outcome", "Retry", "RunStats", "StageLogic", "StageRunner",
-    "bookkeep", "default_consumer_name", "drained", "renew_leases", "send_waiting",
-]
+__all__ = ["Ack", "DeadLetter", "Emit", "Outcome", "Retry", "StageLogic", "StageRunner", "bookkeep", "drained",
+           "send_waiting"]
 
 log = structlog.get_logger("distillq.runloop")
 M_in = TypeVar("M_in", bound=RolloutGroup | ScoredGroup | TrainBatch, contravariant=True)
