@@ -14,17 +14,15 @@ from redis.exceptions import RedisError
 from rich.console import Console
 
 from pipeline.cli.errors import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
-from pipeline.config import RedisSettings, add_redis_args, redis_settings_from_args
-from pipeline.config import env as env_default  # the one helper; the old name stays importable
+from pipeline.config import RedisSettings, redis_settings_from_args
 from pipeline.transport.connection import connect, redis_error_line
 from pipeline.transport.keys import STREAMS, Keys
 from workers.common import HelpFormatter
 
 T = TypeVar("T")
 
-__all__ = ["add_command", "add_redis_args", "ensure_reachable", "env_default", "make_console", "namespace_keys",
-           "read_input", "redis_settings_from_args", "report_bad_lines", "run", "run_output", "stream_name",
-           "with_redis"]
+__all__ = ["add_command", "ensure_reachable", "make_console", "namespace_keys", "read_input", "report_bad_lines", "run",
+           "run_output", "stream_name", "with_redis"]
 
 #: Columns for rich output that goes to a file or a pipe: wide enough that tables and lines never wrap.
 PLAIN_WIDTH = 10_000

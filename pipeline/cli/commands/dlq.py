@@ -25,9 +25,7 @@ import redis.asyncio as aioredis
 
 from pipeline.cli.commands.common import (
     add_command,
-    add_redis_args,
     namespace_keys,
-    redis_settings_from_args,
     run,
     with_redis,
 )
@@ -39,7 +37,7 @@ from pipeline.cli.namespaces import absent_note
 from pipeline.cli.recovery import DeadLetterIndex, assess, dead_letter_index, send_again
 from pipeline.cli.resample import dlq_resample, replay_prompt
 from pipeline.cli.streamstats import server_time
-from pipeline.config import StreamSettings
+from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, BackpressureTimeout
 from pipeline.transport.sharding import get_shards

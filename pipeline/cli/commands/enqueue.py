@@ -17,15 +17,14 @@ import redis.asyncio as aioredis
 
 from pipeline.cli.commands.common import (
     add_command,
-    add_redis_args,
     namespace_keys,
     read_input,
-    redis_settings_from_args,
     report_bad_lines,
     run,
     with_redis,
 )
 from pipeline.cli.errors import EXIT_FAILED, CliError
+from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PROMPT_DECODER, Added, PromptJob, enqueue_prompts
 

@@ -9,8 +9,9 @@ import sys
 import redis.asyncio as aioredis
 from rich.table import Table
 
-from pipeline.cli.commands.common import add_command, add_redis_args, make_console, run, with_redis
+from pipeline.cli.commands.common import add_command, make_console, run, with_redis
 from pipeline.cli.namespaces import list_namespaces
+from pipeline.config import add_redis_args
 from pipeline.transport.keys import STREAMS, Keys
 
 

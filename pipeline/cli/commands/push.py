@@ -19,9 +19,7 @@ import redis.asyncio as aioredis
 
 from pipeline.cli.commands.common import (
     add_command,
-    add_redis_args,
     read_input,
-    redis_settings_from_args,
     report_bad_lines,
     run,
     with_redis,
@@ -29,7 +27,7 @@ from pipeline.cli.commands.common import (
 from pipeline.cli.errors import EXIT_FAILED, CliError
 from pipeline.cli.namespaces import absent_note
 from pipeline.cli.recovery import admit_push
-from pipeline.config import StreamSettings
+from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer, message_id
 from pipeline.transport.sharding import get_shards

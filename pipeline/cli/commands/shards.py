@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.commands.common import add_command, add_redis_args, redis_settings_from_args, run, with_redis
+from pipeline.cli.commands.common import add_command, run, with_redis
 from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
+from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.transport.sharding import ShardConfigError, get_shards, set_shards
 
 

@@ -15,7 +15,6 @@ from rich.table import Table
 from pipeline.cli.attention import attention, counts, secs, size
 from pipeline.cli.commands.common import (
     add_command,
-    add_redis_args,
     make_console,
     run_output,
     stream_name,
@@ -23,6 +22,7 @@ from pipeline.cli.commands.common import (
 )
 from pipeline.cli.pipelinestate import collect_all
 from pipeline.cli.streamstats import Snapshot, with_rates
+from pipeline.config import add_redis_args
 from pipeline.transport.keys import STREAMS, Keys
 
 

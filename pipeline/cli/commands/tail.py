@@ -14,9 +14,10 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from pipeline.cli.commands.common import add_command, add_redis_args, env_default, run_output, stream_name, with_redis
+from pipeline.cli.commands.common import add_command, run_output, stream_name, with_redis
 from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.cli.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
+from pipeline.config import add_redis_args, env
 from pipeline.transport.consumer import resolve_payloads
 from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import get_shards
@@ -160,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     if args.decode:
         if args.format != "summary":
             raise CliError("tail: --decode applies to --format summary only", EXIT_USAGE)
-        loaded = load_tokenizer(args.tokenizer or env_default("TOKENIZER"))
+        loaded = load_tokenizer(args.tokenizer or env("TOKENIZER"))
         if isinstance(loaded, str):
             raise CliError(f"tail: {loaded}", EXIT_USAGE)
         tokenizer = loaded

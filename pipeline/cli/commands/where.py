@@ -7,8 +7,9 @@ import json
 
 import redis.asyncio as aioredis
 
-from pipeline.cli.commands.common import add_command, add_redis_args, run, with_redis
+from pipeline.cli.commands.common import add_command, run, with_redis
 from pipeline.cli.locate import locate
+from pipeline.config import add_redis_args
 from pipeline.transport.keys import Keys
 
 
