@@ -2,8 +2,7 @@
 
 The feeder reads only the headers of scored entries (``pipeline.transport.claimcheck``) and writes batches by
 reference (``BatchManifest``); it never fetches, decodes or re-writes a group's payload, which stays in
-its key until the learner acknowledges the batch. An entry written inline (a writer from before the
-claim check) is validated and its payload moved to a key first.
+its key until the learner acknowledges the batch. An entry without a header is dead-lettered.
 
 Scored entries stay pending (their leases renewed) until the batch holding their group is written;
 only then are they acknowledged. A crash therefore loses nothing: a restarted feeder gets them again,
@@ -38,20 +37,19 @@ from pipeline.config import StreamSettings
 from pipeline.stages.batching import BatchingConfig, Pending, admit, build_batch, take_batch
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, load_controller
 from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
-from pipeline.transport.claimcheck import decode_header, header_of
+from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import (
-    F_REF,
     AddResult,
     BackpressureTimeout,
     MessageTooLarge,
     ProducerStopped,
     StreamProducer,
 )
-from pipeline.transport.sharding import ShardedConsumer, make_consumer
-from schemas import DecodeError, GroupHeader, ScoredGroup, decode
+from pipeline.transport.sharding import make_consumer
+from schemas import DecodeError, GroupHeader
 
 log = structlog.get_logger("distillq.feeder")
 
@@ -110,7 +108,6 @@ class Feeder:
         self.max_buffered = max_buffered_groups
         self.max_ready_batches = max_ready_batches
         self.state = FeederState()
-        self.limits = s.limits()
         self._version_read_at = float("-inf")
 
     def report(self) -> dict[str, object]:
@@ -202,7 +199,7 @@ class Feeder:
 
     async def _admit(self, d: Delivery) -> None:
         try:
-            h, key = await self._header(d)
+            h, key = self._header(d)
         except DecodeError as e:
             metrics.DECODE_ERRORS.labels("feeder").inc()
             reason = f"decode_error: {e}"
@@ -229,22 +226,17 @@ class Feeder:
         with contextlib.suppress(*TRANSIENT):
             await self.redis.set(self.keys.dropped(h.group_id), note, ex=max(1, int(self.settings.dedupe_ttl_s)))
 
-    async def _header(self, d: Delivery) -> tuple[GroupHeader, str]:
-        """The entry's header and payload key; an inline entry is validated and its payload moved to a key."""
-        if d.header is not None:
-            h, key = decode_header(d.header), d.payload_key
-            if key is None:
-                raise DecodeError("p", "claim-checked entry without a payload key")
-            if h.group_id != d.group_id:
-                raise DecodeError("h.group_id", f"{h.group_id!r} != entry group id {d.group_id!r}")
-            return h, key
-        g = decode(d.payload, self.limits, expect=ScoredGroup)
-        c = self.consumer
-        stream_key = c.parts[d.shard].key if isinstance(c, ShardedConsumer) else c.key
-        key = self.keys.payload(stream_key, g.group_id, f"e{d.entry_id}")  # one key per entry: retries reuse it
-        await retry_transient(functools.partial(self.redis.set, key, d.payload), deadline_s=60)
-        d.fields[F_REF] = key.encode()
-        return header_of(g, len(d.payload)), key
+    def _header(self, d: Delivery) -> tuple[GroupHeader, str]:
+        """The entry's header and payload key (``pipeline.transport.claimcheck``); a ``DecodeError`` if either is
+        missing or the header is invalid or names another group."""
+        if d.header is None:
+            raise DecodeError("h", "missing: a scored entry carries a header and its payload's key")
+        h, key = decode_header(d.header), d.payload_key
+        if key is None:
+            raise DecodeError("p", "claim-checked entry without a payload key")
+        if h.group_id != d.group_id:
+            raise DecodeError("h.group_id", f"{h.group_id!r} != entry group id {d.group_id!r}")
+        return h, key
 
     async def _write(self, items: list[Pending], stop: asyncio.Event) -> bool:
         """Write one batch, then ack its groups' entries. False if stopped while waiting for capacity."""

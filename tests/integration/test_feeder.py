@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from pipeline.config import StreamSettings
 from pipeline.learner.client import AsyncLearner, Learner
 from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
@@ -19,15 +18,9 @@ from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from schemas import BatchManifest, DistillStatus, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
+from tests.streams import fast, make_idle
 
 pytestmark = pytest.mark.redis
-
-
-def fast(**kw: object) -> StreamSettings:
-    base: dict[str, object] = dict(block_ms=100, claim_idle_ms=300, claim_interval_ms=50, heartbeat_interval_s=0.2,
-                                   shutdown_grace_s=1.0, backpressure_timeout_s=10.0)
-    base.update(kw)
-    return StreamSettings(**base)  # type: ignore[arg-type]
 
 
 async def push_scored(r: aioredis.Redis, keys: Keys, n: int, *, version: int = 0, lens: int = 16) -> list[str]:
@@ -154,7 +147,7 @@ async def test_restarted_feeder_never_batches_a_group_twice(r: aioredis.Redis, k
     assert all(d.payload == b"" and d.header is not None for d in got)  # the feeder reads headers only
     items = [Pending(d.entry_id, decode_header(d.header or b""), d.payload_key or "") for d in got[:2]]
     await f1.producer.send(build_batch(items, 0.1, 0, f1.cfg).batch)  # ... crash before XACK
-    await asyncio.sleep(0.4)
+    assert await make_idle(f1.consumer) == 3
     f2 = Feeder(r, keys, BatchingConfig(max_batch_groups=2, max_wait_s=0), ConstantKL(0.1), s, consumer_name="f2")
     stats = await asyncio.wait_for(f2.run(asyncio.Event(), burst=True), 20)
     groups = [ref.group_id for m in manifests(await r.xrange(keys.stream("batches"))) for ref in m.refs]
@@ -181,21 +174,23 @@ async def test_feeder_dead_letters_garbage_and_keeps_dropped_groups(r: aioredis.
     assert all(x.startswith("decode_error") for x in reasons)
 
 
-async def test_inline_scored_entries_from_older_writers_still_reach_the_learner(
+async def test_a_scored_entry_without_a_header_is_dead_lettered_with_its_bytes(
     r: aioredis.Redis, keys: Keys
 ) -> None:
-    g = synthetic_scored(synthetic_rollout(2, 16, group_id="legacy", seed=3), k=4, seed=3)
-    await r.xadd(keys.stream("scored"), {b"t": b"scored", b"gid": b"legacy", b"d": encode(g)})
+    """Only claim-checked entries are batched: one carrying its payload inline goes to the DLQ whole (replayable),
+    and the claim-checked groups beside it reach the learner."""
+    g = synthetic_scored(synthetic_rollout(2, 16, group_id="inline", seed=3), k=4, seed=3)
+    await r.xadd(keys.stream("scored"), {b"t": b"scored", b"gid": b"inline", b"d": encode(g)})
     await push_scored(r, keys, 1)
     stats = await asyncio.wait_for(
         Feeder(r, keys, BatchingConfig(max_wait_s=0), ConstantKL(0.1), fast()).run(asyncio.Event(), burst=True), 20)
-    assert stats.outcomes["batched"] == 2
+    assert stats.outcomes["batched"] == 1 and stats.outcomes["dead_letter"] == 1
+    (_, letter), = await r.xrange(keys.dlq)
+    assert letter[b"stage"] == b"feeder" and letter[b"reason"].startswith(b"decode_error: h: missing")
+    assert letter[b"orig_gid"] == b"inline" and letter[b"orig_d"] == encode(g)
     learner = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
     got = [b async for b in learner.batches(timeout_s=0.5)]
-    back = {x.group_id: x for b in got for x in b.batch.groups}
-    assert set(back) == {"legacy", "g000"}
-    assert back["legacy"].teacher is not None and g.teacher is not None
-    assert bytes(back["legacy"].teacher[1].topk_ids.data) == bytes(g.teacher[1].topk_ids.data)
+    assert [x.group_id for b in got for x in b.batch.groups] == ["g000"]
     for b in got:
         await learner.ack(b)
     assert await payload_keys(r, keys) == []

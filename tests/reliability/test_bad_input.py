@@ -1,23 +1,29 @@
 """Bad input: 10,000 malformed messages XADDed raw onto ``rollouts`` and ``scored``, interleaved with 500
-good ones, through a synthetic teacher process and a feeder process. Every bad one ends in the DLQ with
-the decoder's reason, no worker dies, every good one reaches the learner once; oversized messages are
-rejected for their size before any decoding. The inspection tools (tail, dlq list, dlq replay) read the
-same malformed entries without failing."""
+good ones, through a synthetic teacher process, a feeder process and the learner client. A ``scored`` entry is
+claim-checked (``pipeline.transport.claimcheck``): a valid header, its payload in its own key, decoded first by
+the learner client. Every bad one ends in the DLQ with the decoder's reason, from the stage that decodes it, no
+worker dies, every good one reaches the learner once; oversized messages are rejected for their size before
+any decoding. The inspection tools (tail, dlq list, dlq replay) read the same malformed entries without
+failing."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 
 from pipeline.cli.main import main as cli
+from pipeline.transport.claimcheck import decode_header, encode_header
 from pipeline.transport.keys import Keys
-from schemas import DecodeError, RolloutGroup, ScoredGroup, decode, encode
+from pipeline.transport.producer import F_DATA, F_HEADER, F_REF
+from schemas import DecodeError, GroupHeader, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
 from tests.redis_server import RedisServer
 from tests.reliability import mutations as mut
@@ -27,7 +33,9 @@ pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(24
 
 BAD_PER_STREAM = 5000
 GOOD_PER_STREAM = 250
-STAGE = {"rollouts": "teacher", "scored": "feeder"}
+STAGE = {"rollouts": "teacher", "scored": "learner"}  # the stage that decodes a stream's payloads
+#: A scored entry whose header names no payload key stops at the feeder, which reads headers only.
+NO_PAYLOAD_KEY = "decode_error: p: claim-checked entry without a payload key"
 EXPECT: dict[str, type[RolloutGroup] | type[ScoredGroup]] = {"rollouts": RolloutGroup, "scored": ScoredGroup}
 MTYPE = {"rollouts": b"rollout", "scored": b"scored"}
 
@@ -41,6 +49,7 @@ class Corpus:
     reason: dict[str, str] = field(default_factory=dict)  # bad gid -> expected DLQ reason
     category: dict[str, str] = field(default_factory=dict)
     stream: dict[str, str] = field(default_factory=dict)
+    stage: dict[str, str] = field(default_factory=dict)  # bad gid -> the stage that dead-letters it
     good: set[str] = field(default_factory=set)
     accepted_invalid: list[str] = field(default_factory=list)  # guaranteed-bad messages the decoder took
     decoder_crashes: list[str] = field(default_factory=list)  # anything but DecodeError
@@ -63,6 +72,16 @@ def check(corpus: Corpus, stream: str, name: str, payload: bytes, guaranteed: bo
     return None
 
 
+@functools.cache
+def base_header() -> GroupHeader:
+    return decode_header(encode_header(synthetic_scored(synthetic_rollout(2, 16, group_id="h", seed=0), k=4)))
+
+
+def header(gid: str) -> bytes:
+    """A valid scored header for group ``gid``: a bad payload behind it gets past the feeder to the learner."""
+    return msgspec.msgpack.encode(msgspec.structs.replace(base_header(), group_id=gid))
+
+
 def build(seed: int = 7) -> Corpus:
     rng = random.Random(seed)
     c = Corpus()
@@ -72,7 +91,11 @@ def build(seed: int = 7) -> Corpus:
         out = c.entries[stream]
         for i in range(BAD_PER_STREAM):
             gid = f"bad-{stream}-{i:05d}"
-            if i % 100 == 99:  # an entry without its payload field
+            stage = STAGE[stream]
+            if i % 100 == 99 and stream == "scored":  # a header without its payload key
+                name, fields = "payload_key_missing", {b"t": MTYPE[stream], b"gid": gid.encode(), F_HEADER: header(gid)}
+                reason, stage = NO_PAYLOAD_KEY, "feeder"
+            elif i % 100 == 99:  # an entry without its payload field
                 name, payload, fields = "payload_field_missing", b"", {b"t": MTYPE[stream], b"gid": gid.encode()}
                 reason = check(c, stream, name, payload, True)
             else:
@@ -85,24 +108,37 @@ def build(seed: int = 7) -> Corpus:
                 name = cat.__name__
                 mtype = MTYPE[stream] if rng.random() < 0.9 else rng.choice([b"", b"batch", b"\xff\xfe"])
                 fields = {b"t": mtype, b"gid": gid.encode(), b"d": payload}
+                if stream == "scored":
+                    fields[F_HEADER] = header(gid)
             if reason is not None:
-                c.reason[gid], c.category[gid], c.stream[gid] = reason, name, stream
+                c.reason[gid], c.category[gid], c.stream[gid], c.stage[gid] = reason, name, stream, stage
                 out.append((gid, fields))
         for i in range(GOOD_PER_STREAM):
             g = synthetic_rollout(2, 16, group_id=f"good-{stream}-{i:04d}", seed=100_000 + i)
-            msg = g if stream == "rollouts" else synthetic_scored(g, k=4, seed=i)
-            out.append((g.group_id, {b"t": MTYPE[stream], b"gid": g.group_id.encode(), b"d": encode(msg)}))
+            if stream == "rollouts":
+                good = {b"t": MTYPE[stream], b"gid": g.group_id.encode(), b"d": encode(g)}
+            else:
+                s = synthetic_scored(g, k=4, seed=i)
+                good = {b"t": MTYPE[stream], b"gid": g.group_id.encode(), b"d": encode(s), F_HEADER: encode_header(s)}
+            out.append((g.group_id, good))
             c.good.add(g.group_id)
         rng.shuffle(out)
     return c
 
 
 async def xadd_all(r: Any, keys: Keys, corpus: Corpus) -> None:
+    """XADD every entry; a claim-checked one (with a header) gets its payload (``d``) SET in a key of its own."""
     for stream, entries in corpus.entries.items():
+        key = keys.stream(stream)
         for start in range(0, len(entries), 500):
             async with r.pipeline(transaction=False) as p:
-                for _gid, fields in entries[start : start + 500]:
-                    p.xadd(keys.stream(stream), fields)
+                for gid, fields in entries[start : start + 500]:
+                    entry: dict[bytes, bytes | str] = dict(fields)
+                    if F_HEADER in fields and F_DATA in fields:
+                        ref = keys.payload(key, gid, "0")
+                        p.set(ref, entry.pop(F_DATA))
+                        entry[F_REF] = ref
+                    p.xadd(key, entry)
                 await p.execute()
 
 
@@ -133,7 +169,7 @@ def verify(corpus: Corpus, letters: list[dict[bytes, bytes]]) -> tuple[Counter[s
             wrong.append(f"unexpected dead letter {gid}: {f.get(b'reason')!r}")
             continue
         if (f[b"reason"].decode(), f[b"stage"].decode(), f[b"source"].decode()) != (
-                corpus.reason[gid][:2000], STAGE[stream], stream):
+                corpus.reason[gid][:2000], corpus.stage[gid], stream):
             wrong.append(f"{gid} ({corpus.category[gid]}): {f[b'reason'][:200]!r} at {f[b'stage']!r}")
         if corpus.category[gid].startswith("oversize"):
             size_first += b"exceeds the cap" in f[b"reason"] and b"malformed" not in f[b"reason"]
@@ -174,7 +210,7 @@ async def test_malformed_messages_go_to_the_dlq_and_good_ones_arrive(
     t1 = time.monotonic()
     workers.teacher("t1", "--top-k", "4")
     workers.feeder("f1")
-    learner = RecordingLearner(private_redis.url, namespace)
+    learner = RecordingLearner(private_redis.url, namespace, limits=mut.LIMITS)
     stop = asyncio.Event()
     task = asyncio.create_task(learner.run(stop))
     n_bad = len(corpus.reason)
