@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import numpy as np
 from pydantic import BaseModel
 
-from bench.codec import reference_json
+from bench.codec import reference_arrays, reference_json
 from schemas.build import synthetic_scored
 
 
@@ -111,16 +110,6 @@ def make_app(batch_seqs: int) -> Any:
     return app
 
 
-def to_numpy(g: dict[str, Any]) -> list[tuple[np.ndarray[Any, Any], ...]]:
-    """One received group as per-sequence arrays (the trainer's first step there)."""
-    return [
-        (np.asarray(g["tokens"][i], np.int32), np.asarray(g["masks"][i], np.int32),
-         np.asarray(g["inference_logprobs"][i], np.float32),
-         np.asarray(g["distill_token_ids"][i][1:], np.int32), np.asarray(g["distill_logprobs"][i][1:], np.float32))
-        for i in range(len(g["tokens"]))
-    ]
-
-
 def proc_cpu(pid: int) -> float:
     """CPU seconds (user + sys) of process ``pid``."""
     with open(f"/proc/{pid}/stat") as f:
@@ -200,7 +189,7 @@ def run_reference(seqs: int, seq_len: int, k: int, groups: int, batch_groups: in
                     time.sleep(0.02)
                     continue
                 for g in batch:
-                    to_numpy(g)
+                    reference_arrays(g)  # the trainer's first step there
                 got += len(batch)
         t1 = time.perf_counter()
         env.join()

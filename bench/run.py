@@ -3,6 +3,8 @@
 Run: ``python -m bench`` (same as ``python bench/run.py``); ``--quick`` for a short run; ``--rows`` picks
 rows: codec, transport, reference, teacher, scaling, latency, memory, rss. A private redis-server on a
 free port serves every Redis row (``tests.redis_server``); nothing touches the server on 6379.
+The first line printed says when the run started (UTC), on which commit (``-dirty``: tracked files differ
+from it) and on which machine (``bench.provenance``); ``--json`` writes the same under ``"run"``.
 See the modules for what each row measures: ``bench.codec``, ``bench.transport`` (+ ``stub_pipeline``,
 ``reference_transport``), ``bench.teacher``, ``bench.scaling``, ``bench.latency``, ``bench.memory``.
 """
@@ -13,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,7 +27,6 @@ if __name__ == "__main__" and not __package__:  # ``python bench/run.py``: make 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS = ("codec", "transport", "reference", "teacher", "scaling", "latency", "memory", "rss")
-DATE = "2026-11-22"
 
 
 @dataclass
@@ -127,8 +127,8 @@ def row_reference(s: Suite) -> None:
 def row_teacher(s: Suite) -> None:
     import bench.teacher as bt
 
-    args = argparse.Namespace(groups=8, per_group=8, min_len=128, max_len=512, k=20, budget=8192, threads=2,
-                              repeats=2 if s.quick else 6, vocab=None)
+    args = argparse.Namespace(groups=4 if s.quick else 8, per_group=8, min_len=128, max_len=512, k=20, budget=8192,
+                              threads=2, repeats=2 if s.quick else 6, vocab=None)
     t, tokens, vocab = asyncio.run(bt.run(args))
     s.raw["teacher"] = {"wall": t.wall, "cpu": t.cpu, "tokens": tokens, "vocab": vocab}
     best = min(t.wall["bare"]) / min(t.wall["scorer"])
@@ -150,7 +150,7 @@ def row_scaling(s: Suite) -> None:
     warm, dur = (0.5, 1.5) if s.quick else (1.0, 4.0)
     points: list[ScalePoint] = []
     for mode in s.args.scaling_modes.split(","):
-        for n in (int(x) for x in s.args.workers.split(",")):
+        for n in (int(x) for x in (s.args.workers or ("1,2" if s.quick else "1,2,4,8")).split(",")):
             try:
                 points.append(asyncio.run(point(s.url, mode, n, w, 4, warm, dur)))
             except RuntimeError as err:
@@ -232,13 +232,6 @@ RUNNERS: dict[str, Callable[[Suite], None]] = {
 }
 
 
-def machine() -> str:
-    from bench.codec import cpu_model
-
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{cpu_model()}, nproc {os.cpu_count()}, Python {platform.python_version()}, load average {load}"
-
-
 def table(rows: list[Row]) -> str:
     out = ["| row | measurement | distillq | baseline | ratio | target | met |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -249,10 +242,10 @@ def table(rows: list[Row]) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="short run (~3 min): fewer rounds, shorter windows")
+    p.add_argument("--quick", action="store_true", help="short run (~3 min): fewer rounds, shorter windows, less work")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of: {', '.join(ROWS)}")
     p.add_argument("--sizes", default="1024,4096", help="sequence lengths of the 8-sequence groups (rows 2, 6)")
-    p.add_argument("--workers", default="1,2,4,8", help="teacher worker counts (row 4)")
+    p.add_argument("--workers", default=None, help="teacher worker counts (row 4; default 1,2,4,8; 1,2 with --quick)")
     p.add_argument("--scaling-modes", default="tasks,procs", help="tasks (in-process) and/or procs (row 4)")
     p.add_argument("--scaling-len", type=int, default=128, help="sequence length of row 4's 8-sequence groups")
     p.add_argument("--rss-minutes", type=float, default=None, help="RSS soak length (default 10; 0.5 with --quick)")
@@ -268,11 +261,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from bench.common import quiet_logs
+    from bench.provenance import header, machine, run_info
     from tests.redis_server import RedisServer
 
     quiet_logs()
-    started, start_info = time.time(), machine()
-    print(f"distillq performance suite, {DATE}; {start_info}", flush=True)
+    started, info = time.time(), run_info()
+    print(header("distillq performance suite", info), flush=True)
     server = RedisServer().start()
     suite = Suite(args, server.url)
     try:
@@ -289,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     if suite.notes:
         print("\n" + "\n".join(f"- {n}" for n in suite.notes))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in suite.rows], "raw": suite.raw,
-                                               "notes": suite.notes}, indent=1, default=str))
+        out = {"run": info, "rows": [asdict(r) for r in suite.rows], "raw": suite.raw, "notes": suite.notes}
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0
 
 

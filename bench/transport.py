@@ -15,8 +15,10 @@ Also shared by the other rows: the in-process pipeline builder (the workloads an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
+import sys
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,16 +178,14 @@ async def side_by_side(url: str, work: Workload, rounds: int, warmup_s: float, d
     return out
 
 
-async def _main() -> None:  # manual use: python -m bench.transport [rounds]
-    import sys
-
+async def _main(rounds: int, sizes: list[int], warmup_s: float, duration_s: float) -> None:
     from tests.redis_server import RedisServer
 
     quiet_logs()
     server = RedisServer().start()
     try:
-        for n in (1024, 4096):
-            s = await side_by_side(server.url, Workload(8, n), int(sys.argv[1]) if len(sys.argv) > 1 else 2, 1.5, 4)
+        for n in sizes:
+            s = await side_by_side(server.url, Workload(8, n), rounds, warmup_s, duration_s)
             for name, runs in s.runs.items():
                 for t in runs:
                     print(s.work.label, name, {k: round(v, 2) for k, v in t.as_dict().items()})
@@ -194,5 +194,17 @@ async def _main() -> None:  # manual use: python -m bench.transport [rounds]
         server.stop()
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.transport``: row 2 alone, every run printed (``python -m bench`` makes the table)."""
+    p = argparse.ArgumentParser(prog="python -m bench.transport", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2, help="rotating rounds of distillq, stub and stub_producer")
+    p.add_argument("--sizes", default="1024,4096", help="sequence lengths of the 8-sequence groups")
+    p.add_argument("--warmup", type=float, default=1.5, help="seconds of warm-up per run")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds measured per run")
+    args = p.parse_args(argv)
+    asyncio.run(_main(args.rounds, [int(n) for n in args.sizes.split(",")], args.warmup, args.duration))
+    return 0
+
+
 if __name__ == "__main__":
-    asyncio.run(_main())
+    sys.exit(main())
