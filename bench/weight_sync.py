@@ -33,6 +33,7 @@ import torch
 from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.models.weights import latest
+from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine
 from tests.redis_server import free_port
@@ -120,7 +121,7 @@ async def throughput(url: str, model: Any, weights: Path, seconds: float, step_s
     async def sampler(seed: int) -> None:
         nonlocal tokens
         while time.monotonic() < end:
-            comps = await student.generate([3, 310, 16, 24, 34, 4], n=4, max_tokens=32, temperature=1.0, seed=seed)
+            comps = await student.generate([3, 310, 16, 24, 34, 4], GenParams(max_tokens=32, seed=seed), n=4)
             tokens += sum(len(c.token_ids) for c in comps)
 
     async def learner() -> None:

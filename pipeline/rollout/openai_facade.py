@@ -50,7 +50,7 @@ from pipeline.rollout.openai_types import (
     chat_chunks,
     text_chunks,
 )
-from pipeline.rollout.students.base import Completion, StudentBackend
+from pipeline.rollout.students.base import Completion, GenParams, StudentBackend
 from pipeline.rollout.tracker import Tracker
 
 log = structlog.get_logger(__name__)
@@ -184,15 +184,9 @@ class TrackedClient:
             return str(tok.decode(ids, skip_special_tokens=skip))
 
         stop_ids = [*opts["stop_token_ids"], *extra.get("stop_token_ids", [])]
-        comps = await self.backend.generate(
-            prompt_ids,
-            n=opts["n"],
-            max_tokens=opts["max_tokens"],
-            temperature=opts["temperature"],
-            top_p=opts["top_p"],
-            stop_token_ids=stop_ids,
-            seed=opts["seed"],
-        )
+        params = GenParams(max_tokens=opts["max_tokens"], temperature=opts["temperature"], top_p=opts["top_p"],
+                           stop_token_ids=tuple(stop_ids), seed=opts["seed"])  # stop strings: cut here, below
+        comps = await self.backend.generate(prompt_ids, params, opts["n"])
         cut_comps, texts = [], []
         for c in comps:
             c2, cut = _truncate_at_stop(c, opts["stop"], decode) if opts["stop"] else (c, -1)

@@ -3,7 +3,7 @@
     student = SyncedStudent([VLLMStudent(url, name, tok) ...], engines, weights_dir="/weights")
     await student.start()                    # first sync; then student.run(stop) in a task keeps them synced
     with attribution() as seen:              # pipeline.rollout.weight_sync
-        comps = await student.generate(ids, n=8)
+        comps = await student.generate(ids, GenParams(max_tokens=64), n=8)
     version = attribute(seen)                # None: the weights changed under the sample (resample it)
 
 Each server is synced on its own (one slow or dead server never holds the others back): a server whose
@@ -39,7 +39,7 @@ from pipeline.models.weights import (
     read_config,
 )
 from pipeline.rollout.refusals import CheckpointRefusals, FolderKey, folder_key
-from pipeline.rollout.students.base import Completion, StudentBackendError
+from pipeline.rollout.students.base import Completion, GenParams, StudentBackendError
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import Engine, EngineError, reference_of
 from pipeline.rollout.weight_sync import ServerState, needs_sync, record, request_version
@@ -76,19 +76,12 @@ class SyncedStudent:
         return self.students[0].tokenizer
 
     @property
-    def takes_stop_strings(self) -> bool:
-        """Whether ``generate`` passes stop strings on: the servers' own backends take them."""
-        import inspect
-
-        return all("stop" in inspect.signature(st.generate).parameters for st in self.students)
-
-    @property
     def synced(self) -> bool:
         return self.weights_dir is not None
 
     # -- generation --------------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], **kw: Any) -> list[Completion]:
+    async def generate(self, prompt_ids: list[int], params: GenParams, n: int = 1) -> list[Completion]:
         """Sample on a server in the rotation; records the request's version (``weight_sync.record``)."""
         tried: set[int] = set()
         while True:
@@ -96,16 +89,16 @@ class SyncedStudent:
             st, eng, state = self.students[i], self.engines[i], self.states[i]
             try:
                 if not self.synced:
-                    return await st.generate(prompt_ids, **kw)
+                    return await st.generate(prompt_ids, params, n)
                 if eng.lora:
                     version = state.version
                     st.model = eng.model_for(version) or st.model  # read synchronously by generate's body
-                    comps = await st.generate(prompt_ids, **kw)
+                    comps = await st.generate(prompt_ids, params, n)
                     record(version)
                     return comps
                 published = self._published()
                 before = await eng.version(anything_published=published)
-                comps = await st.generate(prompt_ids, **kw)
+                comps = await st.generate(prompt_ids, params, n)
                 after = await eng.version(anything_published=published)
                 record(request_version(before, after))
                 return comps

@@ -27,7 +27,7 @@ import structlog
 from pipeline import metrics
 from pipeline.rollout.rewards import RewardFn
 from pipeline.rollout.sampler import sample_group
-from pipeline.rollout.students.base import GenParams, StudentBackend
+from pipeline.rollout.students.base import GenParams, StudentBackend, WeightReloader
 from pipeline.rollout.synced import SyncedStudent
 from pipeline.rollout.weight_sync import attribute, attribution
 from pipeline.transport.connection import retry_transient
@@ -101,6 +101,7 @@ class RolloutStage:
     def __init__(self, backend: StudentBackend, reward: RewardFn, cfg: RolloutConfig, published: VersionSource) -> None:
         self.backend, self.reward, self.cfg, self.published = backend, reward, cfg, published
         self.synced = backend if isinstance(backend, SyncedStudent) and backend.synced else None
+        self.reloader = backend if isinstance(backend, WeightReloader) else None  # a local student's own loads
         self.loaded = -1  # version of the weights in the local model (weights-dir mode)
         self._reload_lock = asyncio.Lock()
 
@@ -108,18 +109,17 @@ class RolloutStage:
         """Figures for the heartbeat: ``checkpoint_not_loadable``, the published version the student refused and
         the one it samples with (``pipeline.rollout.refusals``), while such a refusal is in force (``stats``
         names it under ``attention:``)."""
-        refusals = getattr(self.backend, "checkpoint_refusals", None)  # students that load published weights
-        return {"checkpoint_not_loadable": refusals.report() if refusals is not None else None}
+        follower = self.reloader or self.synced  # the student that loads published weights, if any
+        return {"checkpoint_not_loadable": follower.checkpoint_refusals.report() if follower is not None else None}
 
     async def current_version(self) -> int:
         """The published version; a local student with a weights directory loads it first (if newer)."""
         version = await self.published()
-        load = getattr(self.backend, "load_weights", None)  # local (hf) students only
-        if not self.cfg.weights_dir or load is None:
+        if not self.cfg.weights_dir or self.reloader is None:
             return version  # a server's weights follow the published version
         async with self._reload_lock:
             if version > self.loaded:
-                got = await load(self.cfg.weights_dir)
+                got = await self.reloader.load_weights(self.cfg.weights_dir)
                 if got is not None:
                     self.loaded = got
                     log.info("weights_reloaded", version=got)

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.rollout.stop_strings import StopStringChecker
+from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.rollout.students.vllm import VLLMStudent
 from tests.integration.test_serve_student import _never, generate_body, http, make_service, prompt_ids
@@ -93,14 +94,14 @@ async def test_greedy_hf_and_vllm_stop_at_the_same_token(backend: VLLMStudent) -
     hf = HFStudent.from_pretrained(ensure_tiny_models().student)
     tok = hf.tokenizer
     prompt = prompt_ids(hf, "7+8=")
-    [v] = await backend.generate(prompt, max_tokens=30, temperature=0.0)
-    [h] = await hf.generate(prompt, max_tokens=30, temperature=0.0)
+    [v] = await backend.generate(prompt, GenParams(max_tokens=30, temperature=0.0))
+    [h] = await hf.generate(prompt, GenParams(max_tokens=30, temperature=0.0))
     assert v.token_ids == h.token_ids  # the same greedy tokens from both backends
     text = tok.decode(v.token_ids, skip_special_tokens=True)
     assert len(text) >= 6
     for stops in ([text[4:6]], [text[3:5], text[1:3]], ["\u00e9\u00e9", text[-2:]]):
-        [vs] = await backend.generate(prompt, max_tokens=30, temperature=0.0, stop=stops)
-        [hs] = await hf.generate(prompt, max_tokens=30, temperature=0.0, stop=stops)
+        [vs] = await backend.generate(prompt, GenParams(max_tokens=30, temperature=0.0, stop=tuple(stops)))
+        [hs] = await hf.generate(prompt, GenParams(max_tokens=30, temperature=0.0, stop=tuple(stops)))
         assert (vs.token_ids, vs.finish_reason, vs.stop_reason) == (hs.token_ids, hs.finish_reason, hs.stop_reason)
         assert vs.stop_reason in stops
 

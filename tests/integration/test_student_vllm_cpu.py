@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.openai_facade import TrackedClient
+from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA
@@ -77,7 +78,7 @@ def recompute(model: Any, tokens: list[int]) -> np.ndarray:
 async def test_sampled_ids_and_raw_logprobs_equal_hf(student: VLLMStudent, reference: Any) -> None:
     assert await student.models() == [NAME]
     prompt = [3, 310, 16, 24, 34, 4]
-    comps = await student.generate(prompt, n=4, max_tokens=16, temperature=0.7, top_p=0.9, seed=5)
+    comps = await student.generate(prompt, GenParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=5), n=4)
     assert len(comps) == 4
     for c in comps:
         assert 1 <= len(c.token_ids) <= 16 and c.finish_reason in ("stop", "length")
@@ -87,10 +88,11 @@ async def test_sampled_ids_and_raw_logprobs_equal_hf(student: VLLMStudent, refer
 
 async def test_stop_token_is_included(student: VLLMStudent) -> None:
     prompt = [3, 310, 16, 24, 34, 4]
-    [greedy] = await student.generate(prompt, max_tokens=12, temperature=0.0)
+    [greedy] = await student.generate(prompt, GenParams(max_tokens=12, temperature=0.0))
     fresh = [i for i, t in enumerate(greedy.token_ids) if t not in greedy.token_ids[:i]]
     k = fresh[min(2, len(fresh) - 1)]
-    [cut] = await student.generate(prompt, max_tokens=12, temperature=0.0, stop_token_ids=[greedy.token_ids[k]])
+    cut_at = GenParams(max_tokens=12, temperature=0.0, stop_token_ids=(greedy.token_ids[k],))
+    [cut] = await student.generate(prompt, cut_at)
     assert cut.token_ids == greedy.token_ids[: k + 1] and cut.finish_reason == "stop"
 
 

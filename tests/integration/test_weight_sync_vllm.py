@@ -26,6 +26,7 @@ from pipeline import metrics
 from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.models.weights import LATEST, MARKER, folder_name
+from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine
 from pipeline.rollout.synced import SyncedStudent
@@ -107,7 +108,7 @@ async def test_publish_sync_logprobs_and_refusals(server: str, tmp_path: Path) -
             got = prompt_logprobs(server, PROMPT)
             np.testing.assert_allclose(got, reference_logprobs(model, PROMPT), atol=TOL, rtol=0)
             with attribution() as seen:
-                comps = await student.generate(PROMPT, n=2, max_tokens=4, temperature=1.0, seed=version)
+                comps = await student.generate(PROMPT, GenParams(max_tokens=4, temperature=1.0, seed=version), n=2)
             assert attribute(seen) == version and len(comps) == 2
         assert sorted(p.name for p in weights.iterdir()) == [LATEST, folder_name(1), folder_name(2)]
         good = prompt_logprobs(server, PROMPT)
@@ -170,7 +171,7 @@ async def test_kill_during_reload_leaves_rotation_then_resyncs(tmp_path: Path) -
         assert not student.states[0].in_rotation and "reload of v1 failed" in student.states[0].error
         with pytest.raises(Exception, match="no student server in the rotation"):
             student.wait_s = 1.0
-            await student.generate(PROMPT, max_tokens=2)
+            await student.generate(PROMPT, GenParams(max_tokens=2))
     await student.engines[0].aclose()
     student.engines[0] = VLLMEngine(url)
     with vllm_server(model_dir, NAME, tmp_path / "b.log", *EXTRA, port=port, env=DEV):
@@ -184,7 +185,7 @@ async def test_kill_during_reload_leaves_rotation_then_resyncs(tmp_path: Path) -
         assert student.states[0].usable() and weight_version(url) == "1"
         np.testing.assert_allclose(prompt_logprobs(url, PROMPT), reference_logprobs(v1, PROMPT), atol=TOL, rtol=0)
         with attribution() as seen:
-            await student.generate(PROMPT, max_tokens=2, seed=1)
+            await student.generate(PROMPT, GenParams(max_tokens=2, seed=1))
         assert attribute(seen) == 1
         await student.aclose()
     assert (weights / folder_name(1) / MARKER).exists()
@@ -219,7 +220,7 @@ async def test_lora_adapters_hot_loaded_newest_used_old_unloaded(tmp_path: Path)
             await student.sync_once()
             merged = copy.deepcopy(model).merge_and_unload()
             with attribution() as seen:
-                await student.generate(PROMPT, max_tokens=2, seed=version)
+                await student.generate(PROMPT, GenParams(max_tokens=2, seed=version))
             assert attribute(seen) == version and student.students[0].model == f"{NAME}-v{version}"
             body = {"model": f"{NAME}-v{version}", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0}
             entries = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]

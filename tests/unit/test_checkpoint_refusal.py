@@ -21,6 +21,7 @@ from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.models.weights import MARKER, CheckpointError, folder_name, load_weights
 from pipeline.rollout.rewards import exact_match
+from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine
@@ -170,7 +171,7 @@ async def test_servers_are_never_told_to_load_a_refused_version(stub: VLLMSyncSt
         await student.sync_once()
     assert len([p for p in stub.paths() if p == "/collective_rpc"]) == reloads  # never told to reload
     assert stub.label == "1" and not stub.paused and student.states[0].usable()
-    await student.generate([1, 2, 3], max_tokens=2)  # it keeps serving v1
+    await student.generate([1, 2, 3], GenParams(max_tokens=2))  # it keeps serving v1
     refusals = student.checkpoint_refusals
     assert refusals.last is not None and refusals.last.kind == kind and words in refusals.last.error
     assert refusals.report() == refusals.last.line() and (refusals.report() or "").endswith("sampling with v1")

@@ -4,7 +4,6 @@ completions, multi-turn tracking by token ids, stop strings, and ``stream=True``
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,21 +36,11 @@ class Scripted:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        n: int = 1,
-        max_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-    ) -> list[Completion]:
+    async def generate(self, prompt_ids: list[int], params: GenParams, n: int = 1) -> list[Completion]:
         self.prompts.append(list(prompt_ids))
         out = []
         for _ in range(n):
-            ids = self.replies.pop(0)[:max_tokens]
+            ids = self.replies.pop(0)[: params.max_tokens]
             lps = [-0.1 * len(self.prompts) - 0.01 * j for j in range(len(ids))]
             out.append(Completion(ids, lps, "stop" if ids and ids[-1] == EOS else "length"))
         return out

@@ -3,7 +3,6 @@ local student's weights when the learner published a newer version."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from structlog.testing import capture_logs
 from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.rollout.refusals import CheckpointRefusals
 from pipeline.rollout.rewards import exact_match
 from pipeline.rollout.students.base import Completion, GenParams
 from pipeline.stages.rollout_stage import RolloutConfig, RolloutStage
@@ -34,16 +34,17 @@ class Student:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    async def generate(
-        self, prompt_ids: list[int], *, n: int = 1, max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-        stop_token_ids: Sequence[int] = (), seed: int | None = None,
-    ) -> list[Completion]:
-        self.requests.append({"n": n, "max_tokens": max_tokens, "temperature": temperature})
+    async def generate(self, prompt_ids: list[int], params: GenParams, n: int = 1) -> list[Completion]:
+        self.requests.append({"n": n, "max_tokens": params.max_tokens, "temperature": params.temperature})
         ids = [*self._tokenizer.encode(self.reply, add_special_tokens=False), EOS]
         return [Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)]
 
 
 class ReloadingStudent(Student):
+    def __init__(self, tokenizer: Any, reply: str, versions: list[int | None] | None = None) -> None:
+        super().__init__(tokenizer, reply, versions)
+        self.checkpoint_refusals = CheckpointRefusals()
+
     async def load_weights(self, directory: str | Path) -> int | None:
         self.loads.append(str(directory))
         assert self.versions is not None

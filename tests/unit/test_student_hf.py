@@ -1,4 +1,5 @@
-"""Local transformers student: sampled ids and raw logprobs match an independent full forward pass."""
+"""Local transformers student: sampled ids and raw logprobs match an independent full forward pass; stop strings
+come in ``GenParams``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.sampler import sample_group
-from pipeline.rollout.students.base import Completion, GenParams
+from pipeline.rollout.students.base import Completion, GenParams, StudentBackend, WeightReloader
 from pipeline.rollout.students.hf import HFStudent, sample_next
+from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.tracker import Tracker
 from schemas.codec import decode, encode
 from schemas.messages import RolloutGroup
@@ -48,7 +50,7 @@ async def test_tracked_ids_and_logprobs_equal_a_full_forward(
     student: HFStudent, reference_model: Any, temperature: float, top_p: float
 ) -> None:
     prompt = prompt_ids(student)
-    comps = await student.generate(prompt, n=3, max_tokens=12, temperature=temperature, top_p=top_p, seed=1)
+    comps = await student.generate(prompt, GenParams(max_tokens=12, temperature=temperature, top_p=top_p, seed=1), n=3)
     assert len(comps) == 3
     tracker = Tracker()
     tracker.record(prompt, comps)
@@ -67,23 +69,23 @@ async def test_tracked_ids_and_logprobs_equal_a_full_forward(
 
 async def test_seed_reproduces_and_greedy_equals_tiny_top_p(student: HFStudent) -> None:
     prompt = prompt_ids(student)
-    a = await student.generate(prompt, n=2, max_tokens=10, seed=7)
-    b = await student.generate(prompt, n=2, max_tokens=10, seed=7)
-    c = await student.generate(prompt, n=2, max_tokens=10, seed=8)
+    a = await student.generate(prompt, GenParams(max_tokens=10, seed=7), n=2)
+    b = await student.generate(prompt, GenParams(max_tokens=10, seed=7), n=2)
+    c = await student.generate(prompt, GenParams(max_tokens=10, seed=8), n=2)
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
-    greedy = await student.generate(prompt, n=1, max_tokens=10, temperature=0.0)
-    nucleus = await student.generate(prompt, n=1, max_tokens=10, temperature=1.0, top_p=1e-6, seed=3)
+    greedy = await student.generate(prompt, GenParams(max_tokens=10, temperature=0.0), n=1)
+    nucleus = await student.generate(prompt, GenParams(max_tokens=10, temperature=1.0, top_p=1e-6, seed=3), n=1)
     assert greedy[0].token_ids == nucleus[0].token_ids
 
 
 async def test_stop_token_ends_the_completion_and_is_included(student: HFStudent) -> None:
     prompt = prompt_ids(student)
-    [greedy] = await student.generate(prompt, max_tokens=16, temperature=0.0)
+    [greedy] = await student.generate(prompt, GenParams(max_tokens=16, temperature=0.0))
     fresh = [i for i, t in enumerate(greedy.token_ids) if t not in greedy.token_ids[:i]]
     k = fresh[min(2, len(fresh) - 1)]
     stop = greedy.token_ids[k]
-    [cut] = await student.generate(prompt, max_tokens=16, temperature=0.0, stop_token_ids=[stop])
+    [cut] = await student.generate(prompt, GenParams(max_tokens=16, temperature=0.0, stop_token_ids=(stop,)))
     assert cut.token_ids == greedy.token_ids[: k + 1]
     assert cut.finish_reason == "stop"
     assert cut.logprobs == pytest.approx(greedy.logprobs[: k + 1], abs=1e-6)
@@ -91,12 +93,12 @@ async def test_stop_token_ends_the_completion_and_is_included(student: HFStudent
 
 async def test_edge_requests(student: HFStudent) -> None:
     prompt = prompt_ids(student)
-    assert await student.generate(prompt, n=2, max_tokens=0) == [Completion([], [], "length")] * 2
+    assert await student.generate(prompt, GenParams(max_tokens=0), n=2) == [Completion([], [], "length")] * 2
     with pytest.raises(ValueError, match="empty"):
-        await student.generate([], max_tokens=2)
+        await student.generate([], GenParams(max_tokens=2))
     with pytest.raises(ValueError, match="top_p"):
-        await student.generate(prompt, top_p=0.0)
-    many = await asyncio.gather(*(student.generate(prompt, max_tokens=4, seed=s) for s in range(4)))
+        await student.generate(prompt, GenParams(top_p=0.0))
+    many = await asyncio.gather(*(student.generate(prompt, GenParams(max_tokens=4, seed=s)) for s in range(4)))
     assert all(len(m) == 1 and len(m[0].token_ids) >= 1 for m in many)
 
 
@@ -135,3 +137,22 @@ async def test_sample_group_end_to_end(student: HFStudent, reference_model: Any)
         ref = recompute(reference_model, tokens)
         got = torch.from_numpy(seq.logprobs.numpy().copy())
         torch.testing.assert_close(got[len(prompt) :], ref[len(prompt) :], atol=1e-5, rtol=0)
+
+
+async def test_stop_strings_in_the_params_end_the_completion(student: HFStudent) -> None:
+    prompt = prompt_ids(student)
+    [greedy] = await student.generate(prompt, GenParams(max_tokens=16, temperature=0.0))
+    text = student.tokenizer.decode(greedy.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2 :][:2]
+    assert stop.strip(), text
+    [cut] = await student.generate(prompt, GenParams(max_tokens=16, temperature=0.0, stop=(stop,)))
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.token_ids == greedy.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < len(greedy.token_ids)
+    assert stop in student.tokenizer.decode(cut.token_ids, skip_special_tokens=True)
+    assert stop not in student.tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True)
+
+
+def test_backends_declare_the_protocols_they_implement(student: HFStudent) -> None:
+    vllm = VLLMStudent("http://vllm:8000", "student", student.tokenizer)
+    assert isinstance(student, StudentBackend) and isinstance(student, WeightReloader)
+    assert isinstance(vllm, StudentBackend) and not isinstance(vllm, WeightReloader)  # servers reload on their own

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.rollout.openai_facade import TrackedClient
-from pipeline.rollout.students.base import StudentBackendError
+from pipeline.rollout.students.base import GenParams, StudentBackendError
 from pipeline.rollout.students.vllm import VLLMStudent, default_timeout, parse_choice
 
 PROMPT = [3, 310, 16, 24, 34, 4]
@@ -76,7 +76,8 @@ async def test_request_body_and_parsed_completions(tok: Any) -> None:
         return httpx.Response(200, json=vllm_response(choices))
 
     student = backend(tok, handler)
-    out = await student.generate(PROMPT, n=2, max_tokens=3, temperature=0.8, top_p=0.95, stop_token_ids=[9], seed=4)
+    params = GenParams(max_tokens=3, temperature=0.8, top_p=0.95, stop_token_ids=(9,), seed=4)
+    out = await student.generate(PROMPT, params, n=2)
     await student.aclose()
     [req] = seen
     assert req.method == "POST" and str(req.url) == "http://vllm:8000/v1/completions"
@@ -97,6 +98,15 @@ async def test_request_body_and_parsed_completions(tok: Any) -> None:
     assert [c.token_ids for c in out] == [[314, 40, 41], [26, 2]]  # sorted by choice index
     assert out[0].logprobs == [-0.5, -1.5, -3.0] and out[1].logprobs == [-2.0, -0.25]
     assert [c.finish_reason for c in out] == ["length", "stop"]
+
+
+async def test_stop_strings_in_the_params_go_into_the_body(tok: Any) -> None:
+    student = VLLMStudent("http://vllm:8000", "student", tok)
+    await student.aclose()
+    params = GenParams(max_tokens=3, stop=("\n", ""), include_stop_str_in_output=True, skip_special_tokens=False)
+    body = student.request_body(PROMPT, params, 1)
+    assert (body["stop"], body["include_stop_str_in_output"], body["skip_special_tokens"]) == (["\n"], True, False)
+    assert "stop" not in student.request_body(PROMPT, GenParams(max_tokens=3), 1)  # none: vLLM's defaults apply
 
 
 def test_parse_choice_variants() -> None:
@@ -147,7 +157,7 @@ def test_parse_choice_variants() -> None:
 async def test_server_errors_become_backend_errors(tok: Any, respond: Any, match: str) -> None:
     student = backend(tok, respond)
     with pytest.raises(StudentBackendError, match=match):
-        await student.generate(PROMPT, max_tokens=1)
+        await student.generate(PROMPT, GenParams(max_tokens=1))
 
 
 @pytest.mark.parametrize("exc", [httpx.ConnectError("refused"), httpx.ReadTimeout("slow")])
@@ -156,7 +166,7 @@ async def test_transport_failures_become_backend_errors(tok: Any, exc: Exception
         raise exc
 
     with pytest.raises(StudentBackendError, match=type(exc).__name__):
-        await backend(tok, handler).generate(PROMPT)
+        await backend(tok, handler).generate(PROMPT, GenParams())
 
 
 async def test_timeouts_models_and_validation(tok: Any) -> None:
@@ -171,7 +181,7 @@ async def test_timeouts_models_and_validation(tok: Any) -> None:
     assert student._client.timeout.connect == 10.0
     assert await student.models() == ["student"]
     with pytest.raises(ValueError, match="n must be"):
-        await student.generate(PROMPT, n=0)
+        await student.generate(PROMPT, GenParams(), n=0)
 
 
 async def test_facade_over_vllm_tracks_server_ids(tok: Any) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pipeline.urls
+from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.teacher.base import ScoreRequest, ScoreResult, TeacherConfigError
 from pipeline.teacher.sglang_http import SGLangTeacher
@@ -110,7 +111,7 @@ async def test_student_asks_the_same_paths(url: str) -> None:
     student = VLLMStudent(url, "m", tokenizer=None, transport=httpx.MockTransport(rec))
     try:
         assert await student.models() == ["m"]
-        (completion,) = await student.generate([1, 2, 3], max_tokens=1)
+        (completion,) = await student.generate([1, 2, 3], GenParams(max_tokens=1))
     finally:
         await student.aclose()
     assert completion.token_ids == [4] and rec.paths == ["/v1/models", "/v1/completions"]

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from pipeline import metrics
 from pipeline.learner.publish import publish_weights
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
-from pipeline.rollout.students.base import StudentBackendError
+from pipeline.rollout.students.base import GenParams, StudentBackendError
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import SGLangEngine, VLLMEngine, VLLMLoraEngine
 from pipeline.rollout.synced import SyncedStudent
@@ -108,7 +108,7 @@ async def test_each_server_paused_reloaded_labelled_resumed(stubs: list[VLLMSync
         assert sync[2][2] == {"new_version": "1"} and s.label == "1" and not s.paused
     with attribution() as seen:
         for _ in range(4):
-            await student.generate([1, 2, 3], n=2, max_tokens=3)
+            await student.generate([1, 2, 3], GenParams(max_tokens=3), n=2)
     assert seen == [1, 1, 1, 1]
     assert [len([c for c in s.calls if c[1] == "/v1/completions"]) for s in stubs] == [2, 2]  # round-robin
     await student.aclose()
@@ -129,7 +129,7 @@ async def test_failed_reload_leaves_rotation_unsynced_and_paused_then_retried(
     assert bad.label == "unsynced" and bad.paused  # never serves weights that are not a published version
     assert student.states[1].usable() and good.label == "1"  # the other one is synced on its own
     for _ in range(3):
-        await student.generate([1, 2], max_tokens=2)
+        await student.generate([1, 2], GenParams(max_tokens=2))
     assert not any(p == "/v1/completions" for p in bad.paths())
     student.states[0].retry_at = 0.0  # the retry delay elapsed
     await student.sync_once()
@@ -142,11 +142,11 @@ async def test_dead_server_leaves_rotation_and_requests_go_elsewhere(stubs: list
     await student.start()
     await stubs[0].stop()
     for _ in range(3):  # the first request to the dead one fails over to the other
-        await student.generate([1, 2], max_tokens=2)
+        await student.generate([1, 2], GenParams(max_tokens=2))
     assert not student.states[0].in_rotation and student.states[1].usable()
     await stubs[1].stop()
     with pytest.raises(StudentBackendError):
-        await student.generate([1, 2], max_tokens=2)
+        await student.generate([1, 2], GenParams(max_tokens=2))
     await student.aclose()
 
 
@@ -212,7 +212,7 @@ async def test_lora_adapter_per_version_newest_used_old_unloaded(stubs: list[VLL
         publish_weights(model, v, weights, publish=lambda v: None)
         await student.sync_once()
         with attribution() as seen:
-            await student.generate([1, 2], max_tokens=2)
+            await student.generate([1, 2], GenParams(max_tokens=2))
         assert seen == [v] and stub.models_seen[-1] == f"{NAME}-v{v}"
     assert sorted(stub.adapters) == [f"{NAME}-v2", f"{NAME}-v3"]  # the one before the newest stays loaded
     assert stub.adapters[f"{NAME}-v3"] == str(weights / "v00000003")

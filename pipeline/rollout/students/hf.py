@@ -25,7 +25,7 @@ import torch
 from pipeline.models.kvcache import output_cache, with_cache
 from pipeline.rollout.refusals import CheckpointRefusals, folder_key
 from pipeline.rollout.stop_strings import StopStringChecker
-from pipeline.rollout.students.base import Completion, check_request
+from pipeline.rollout.students.base import Completion, GenParams, check_request
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -55,7 +55,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
 
 
 class HFStudent:
-    """A transformers causal LM behind the ``StudentBackend`` protocol."""
+    """A transformers causal LM behind the ``StudentBackend`` and ``WeightReloader`` protocols."""
 
     def __init__(self, model: Any, tokenizer: Any, *, eos_token_ids: Sequence[int] | None = None) -> None:
         self.model = model
@@ -108,51 +108,29 @@ class HFStudent:
             refusals.loaded()
             return ckpt.version
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        n: int = 1,
-        max_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-    ) -> list[Completion]:
-        """``stop`` strings end a completion as vLLM ends it (``pipeline.rollout.stop_strings``): at the token
-        that completes one, that token included, ``stop_reason`` the string."""
-        check_request(prompt_ids, n, max_tokens, temperature, top_p)
-        stops = self.eos_token_ids | {int(t) for t in stop_token_ids}
+    async def generate(self, prompt_ids: list[int], params: GenParams, n: int = 1) -> list[Completion]:
+        """``params.stop`` strings end a completion as vLLM ends it (``pipeline.rollout.stop_strings``): at the
+        token that completes one, that token included, ``stop_reason`` the string."""
+        check_request(prompt_ids, params, n)
         checkers = [
-            StopStringChecker(self._tokenizer, prompt_ids, stop, include_stop_str_in_output=include_stop_str_in_output,
-                              skip_special_tokens=skip_special_tokens)
+            StopStringChecker(self._tokenizer, prompt_ids, params.stop,
+                              include_stop_str_in_output=params.include_stop_str_in_output,
+                              skip_special_tokens=params.skip_special_tokens)
             for _ in range(n)
-        ] if any(stop) else None  # fmt: skip
-        return await asyncio.to_thread(
-            self._generate, list(prompt_ids), n, max_tokens, temperature, top_p, stops, seed, checkers,
-            {int(t) for t in stop_token_ids} - self.eos_token_ids,
-        )  # fmt: skip
+        ] if any(params.stop) else None  # fmt: skip
+        return await asyncio.to_thread(self._generate, list(prompt_ids), params, n, checkers)
 
     def _generate(
-        self,
-        prompt_ids: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stops: set[int],
-        seed: int | None,
-        checkers: list[StopStringChecker] | None = None,
-        stop_ids: set[int] | frozenset[int] = frozenset(),
+        self, prompt_ids: list[int], params: GenParams, n: int, checkers: list[StopStringChecker] | None
     ) -> list[Completion]:
+        max_tokens = params.max_tokens
+        stop_ids = {int(t) for t in params.stop_token_ids} - self.eos_token_ids  # reported as the stop_reason
+        stops = self.eos_token_ids | stop_ids
         gen = torch.Generator()
-        if seed is None:
+        if params.seed is None:
             gen.seed()
         else:
-            gen.manual_seed(seed)
+            gen.manual_seed(params.seed)
         tokens: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
@@ -165,7 +143,7 @@ class HFStudent:
             active = set(range(n))
             for step in range(max_tokens):
                 logits = out.logits[:, -1, :].float().cpu()  # sampled on the CPU: one generator, any device
-                nxt = sample_next(logits, temperature, top_p, gen)
+                nxt = sample_next(logits, params.temperature, params.top_p, gen)
                 chosen = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]
                 for i in sorted(active):
                     tok = int(nxt[i])

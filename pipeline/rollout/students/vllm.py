@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from pipeline.rollout.students.base import Completion, StudentBackendError, check_request
+from pipeline.rollout.students.base import Completion, GenParams, StudentBackendError, check_request
 from pipeline.urls import server_root
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -96,68 +96,32 @@ class VLLMStudent:
         data = await self._request("GET", "/v1/models")
         return [str(m["id"]) for m in data.get("data", [])]
 
-    def request_body(
-        self,
-        prompt_ids: list[int],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop_token_ids: Sequence[int],
-        seed: int | None,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-    ) -> dict[str, Any]:
+    def request_body(self, prompt_ids: list[int], params: GenParams, n: int) -> dict[str, Any]:
+        """The ``/v1/completions`` body: ``params`` as vLLM's sampling fields, then ``extra_body``."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": list(prompt_ids),
             "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
             "logprobs": 1,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        if stop_token_ids:
-            body["stop_token_ids"] = [int(t) for t in stop_token_ids]
-        if seed is not None:
-            body["seed"] = seed
-        if any(stop):  # vLLM applies them; the completion's token ids are recorded as returned
-            body.update(stop=[s for s in stop if s], include_stop_str_in_output=include_stop_str_in_output,
-                        skip_special_tokens=skip_special_tokens)
+        if params.stop_token_ids:
+            body["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if any(params.stop):  # vLLM applies them; the completion's token ids are recorded as returned
+            body.update(stop=[s for s in params.stop if s], skip_special_tokens=params.skip_special_tokens,
+                        include_stop_str_in_output=params.include_stop_str_in_output)
         body.update(self.extra_body)
         return body
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        n: int = 1,
-        max_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-    ) -> list[Completion]:
-        check_request(prompt_ids, n, max_tokens, temperature, top_p)
-        body = self.request_body(
-            prompt_ids,
-            n=n,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop_token_ids=stop_token_ids,
-            seed=seed,
-            stop=stop,
-            include_stop_str_in_output=include_stop_str_in_output,
-            skip_special_tokens=skip_special_tokens,
-        )
+    async def generate(self, prompt_ids: list[int], params: GenParams, n: int = 1) -> list[Completion]:
+        check_request(prompt_ids, params, n)
+        body = self.request_body(prompt_ids, params, n)
         data = await self._request("POST", "/v1/completions", json=body)
         choices = sorted(data.get("choices") or [], key=lambda c: int(c.get("index", 0)))
         if len(choices) != n:

@@ -12,12 +12,11 @@ so what the client records and what distillq pushes are the same numbers, bit fo
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jinja2
@@ -30,7 +29,7 @@ from pipeline.errors import ApiError
 from pipeline.metrics import UNATTRIBUTED_SAMPLES
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.openai_types import ChatCompletion, ChatCompletionChunk, Stream
-from pipeline.rollout.students.base import Completion, StudentBackend, StudentBackendError
+from pipeline.rollout.students.base import Completion, GenParams, StudentBackend, StudentBackendError
 from pipeline.rollout.tracker import Tracker
 from pipeline.rollout.weight_sync import attribute, attribution
 from pipeline.serve.student.sessions import FinishedRollout, GroupAssembler, GroupSpec, SessionStore
@@ -135,23 +134,21 @@ class ServedBackend:
     def __init__(self, backend: StudentBackend, max_model_len: int) -> None:
         self.backend = backend
         self.max_model_len = max_model_len
-        declared = getattr(backend, "takes_stop_strings", None)  # a wrapper says what the servers behind it take
-        self.takes_stop_strings = (bool(declared) if declared is not None
-                                   else "stop" in inspect.signature(backend.generate).parameters)
 
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
 
-    async def generate(self, prompt_ids: list[int], *, max_tokens: int = 256, **kw: Any) -> list[Completion]:
+    async def generate(self, prompt_ids: list[int], params: GenParams, n: int = 1) -> list[Completion]:
         limit = self.max_model_len
         if len(prompt_ids) >= limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens. However, your request has "
                 f"{len(prompt_ids)} input tokens."
             )
-        check_max_tokens(len(prompt_ids), max_tokens, limit)
-        out = await self.backend.generate(prompt_ids, max_tokens=min(max_tokens, limit - len(prompt_ids)), **kw)
+        check_max_tokens(len(prompt_ids), params.max_tokens, limit)
+        clamped = replace(params, max_tokens=min(params.max_tokens, limit - len(prompt_ids)))
+        out = await self.backend.generate(prompt_ids, clamped, n)
         return [Completion(c.token_ids, np.asarray(c.logprobs, np.float32).tolist(), c.finish_reason, c.stop_reason)
                 for c in out]
 
@@ -210,32 +207,26 @@ class StudentService:
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
             raise ServeError(400, f"token_ids must lie in [0, {vocab})")
         max_tokens = self.config.default_max_tokens if sp.max_tokens is None else sp.max_tokens
-        opts: dict[str, Any] = {"temperature": sp.temperature, "top_p": sp.top_p, "max_tokens": max_tokens, "n": sp.n}
         try:
             stop = check_stop(sp.stop, "sampling_params.stop")
         except RequestError as e:
             raise ServeError(400, e.message, param=e.param) from e
-        stop_kw: dict[str, Any] = {}
-        if stop and not self.backend.takes_stop_strings:
-            raise ServeError(400, "sampling_params.stop: this backend does not take stop strings", param="stop")
-        if stop:  # only then: backends without stop strings are called as before
-            stop_kw = {"stop": stop, "include_stop_str_in_output": sp.include_stop_str_in_output,
-                       "skip_special_tokens": sp.skip_special_tokens}
-            opts.update(stop=stop, include_stop_str_in_output=sp.include_stop_str_in_output)
+        params = GenParams(
+            max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p, stop_token_ids=tuple(sp.stop_token_ids),
+            seed=sp.seed, stop=tuple(stop), include_stop_str_in_output=sp.include_stop_str_in_output,
+            skip_special_tokens=sp.skip_special_tokens,
+        )  # fmt: skip
         asked = "sampling_params.max_tokens" if sp.max_tokens is not None else None
         try:
             with attribution() as seen, requested_max_tokens(asked):
-                comps = await self.backend.generate(
-                    prompt, n=sp.n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                    stop_token_ids=sp.stop_token_ids, seed=sp.seed, **stop_kw,
-                )  # fmt: skip
+                comps = await self.backend.generate(prompt, params, sp.n)
         except RequestError as e:
             raise ServeError(400, e.message, param=e.param) from e
         except ValueError as e:
             raise ServeError(400, str(e)) from e
         except StudentBackendError as e:
             raise ServeError(502, str(e), "BackendError") from e
-        self._record(session_id, prompt, comps, {**opts, "stop_token_ids": sp.stop_token_ids, "seed": sp.seed})
+        self._record(session_id, prompt, comps, {"n": sp.n, **params.as_dict()})
         self._versions(session_id, seen)
         return {
             "request_id": f"gen-{uuid.uuid4().hex}",
