@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from pipeline.learner.publish import publish_weights
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
-from pipeline.models.weights import latest
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import latest, load_causal_lm
 from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine

@@ -41,7 +41,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
     if args.backend == "hf":
         from pipeline.rollout.students.hf import HFStudent
 
-        return HFStudent.from_pretrained(args.model, device=args.device)
+        return HFStudent.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     urls = [u.strip() for arg in from_args(RolloutSettings, args).url or () for u in arg.split(",") if u.strip()]
     if not urls:
         raise SystemExit("distillq worker rollout: --url is required for the vllm backend")

@@ -274,6 +274,11 @@ class RolloutSettings(FlagSettings):
         env="DEVICE", metavar="DEVICE",
         doc="hf backend: torch device of the student model, e.g. `cuda` (tokens are sampled on the CPU from the "
             "device's logits)")] = Field("cpu", description="hf backend: torch device of the student model, e.g. cuda")
+    dtype: Annotated[Dtype, Flag(env="STUDENT_DTYPE", doc=(
+        "hf backend: the student's weight dtype, `float32`, `bfloat16`, `float16`; logits are float32 whatever it "
+        "is. `auto`: bfloat16 on a GPU, float32 on CPU"))] = Field(
+        "auto", description="hf backend: the student's weight dtype; logits are float32 whatever it is; auto: "
+                            "bfloat16 on a GPU, float32 on CPU")
 
 
 #: The settings of each stage, in ``distillq worker STAGE``'s order.

@@ -125,8 +125,7 @@ def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: 
     from transformers import AutoTokenizer
 
     from pipeline.learner.example import Evaluator, LearnerConfig
-    from pipeline.models.tinymodels import load_causal_lm
-    from pipeline.models.weights import load_weights
+    from pipeline.models.weights import load_causal_lm, load_weights
 
     lc = LearnerConfig(student=str(student), weights_dir=str(cfg.out / "weights"), eval_teacher=str(teacher),
                        eval_prompts=cfg.eval_prompts, heldout_file=str(cfg.out / "heldout.jsonl"),

@@ -40,7 +40,8 @@ from pipeline.learner.checks import LearnerConnectionError
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
-from pipeline.models.tinymodels import arithmetic_problem, load_causal_lm
+from pipeline.models.tinymodels import arithmetic_problem
+from pipeline.models.weights import load_causal_lm
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")

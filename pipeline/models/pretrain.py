@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.models.tinymodels import TinyModels, all_problems, load_causal_lm
+from pipeline.models.tinymodels import TinyModels, all_problems
+from pipeline.models.weights import load_causal_lm
 
 
 def chat_ids(tokenizer: object, question: str, answer: str | None = None) -> list[int]:

@@ -8,6 +8,9 @@ Attention head size is 32 so vLLM's CPU backend can load them too.
 vocabulary (151,936 rows of embeddings and lm_head) and 32,768 positions, with hidden size 64 so a CPU
 scores thousands of tokens in seconds. Its folder carries the tiny tokenizer (512 tokens): the model's
 vocabulary exceeds the tokenizer's, as Qwen's does.
+
+``load_causal_lm`` is ``pipeline.models.weights.load_causal_lm`` (the one loader of model folders), named here too
+for the code and tests that load these models.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from pipeline.models.weights import load_causal_lm as load_causal_lm  # noqa: PLC0414  (named here too: see above)
 
 DEFAULT_CACHE = Path(os.environ.get("DISTILLQ_CACHE", ".cache")) / "tiny"
 VOCAB_SIZE = 512
@@ -194,13 +198,3 @@ def ensure_real_vocab_model(cache: Path | None = None, seed: int = 0) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def load_causal_lm(path: str | Path) -> Any:
-    """Load a causal LM in float32 on CPU, in eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()  # type: ignore[no-untyped-call]
-    return model

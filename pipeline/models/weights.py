@@ -214,6 +214,29 @@ def model_folder_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     return shapes
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``"auto"``: bfloat16 on a GPU, float32 elsewhere; any other name as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> Any:
+    """Load the causal LM of a local model folder, its weights in ``dtype`` (``float32``, ``bfloat16``,
+    ``float16``, or ``auto``: ``resolve_dtype``), on ``device``, in eval mode. ``ValueError`` for another dtype
+    name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    name = resolve_dtype(dtype, device)
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, name))
+    model.to(device)
+    model.eval()
+    return model
+
+
 def load_weights(model: Any, directory: str | Path) -> int | None:
     """Load the newest published full checkpoint into ``model`` (``strict=True``); its version, or ``None``
     if nothing is published yet. Raises ``CheckpointError`` for a folder that must not be loaded (``model``

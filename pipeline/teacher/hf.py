@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
+from pipeline.models.weights import resolve_dtype
 from pipeline.teacher.base import (
     K_OVER_CAP,
     ScoreFailure,
@@ -49,13 +50,6 @@ if TYPE_CHECKING:  # torch is imported when the teacher starts, not when this mo
     from pipeline.teacher.hf_forward import Forward, Job
 
 log = structlog.get_logger(__name__)
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """``"auto"``: bfloat16 on a GPU, float32 elsewhere; any other name as it is."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def load_model(path: str, dtype: str = "float32", attn_implementation: str | None = None) -> Any:

@@ -1,15 +1,18 @@
 """Local transformers student: sampled ids and raw logprobs match an independent full forward pass; stop strings
-come in ``GenParams``."""
+come in ``GenParams``; the model loads in the dtype asked for (``load_causal_lm``, ``worker rollout --dtype``)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.sampler import sample_group
 from pipeline.rollout.students.base import Completion, GenParams, StudentBackend, WeightReloader
@@ -18,6 +21,7 @@ from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.tracker import Tracker
 from schemas.codec import decode, encode
 from schemas.messages import RolloutGroup
+from workers import rollout
 
 PROMPT_MESSAGES = [{"role": "user", "content": "12+3="}]
 
@@ -156,3 +160,52 @@ def test_backends_declare_the_protocols_they_implement(student: HFStudent) -> No
     vllm = VLLMStudent("http://vllm:8000", "student", student.tokenizer)
     assert isinstance(student, StudentBackend) and isinstance(student, WeightReloader)
     assert isinstance(vllm, StudentBackend) and not isinstance(vllm, WeightReloader)  # servers reload on their own
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny student saved to a folder of its own (weights, config, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("saved-student")
+    load_causal_lm(ensure_tiny_models().student).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(ensure_tiny_models().student)).save_pretrained(folder)
+    return folder
+
+
+def test_load_causal_lm_in_bfloat16_is_close_to_float32(saved: Path) -> None:
+    full = load_causal_lm(saved)
+    half = load_causal_lm(saved, dtype="bfloat16", device="cpu")
+    assert {p.dtype for p in full.parameters()} == {torch.float32}
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16} and not half.training
+    assert {p.dtype for p in load_causal_lm(saved, dtype="auto").parameters()} == {torch.float32}  # auto on a CPU
+    tokens = list(range(3, 40))
+    ref, got = recompute(full, tokens), recompute(half, tokens)
+    assert not torch.equal(ref, got)  # computed in bfloat16, not float32
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
+    with pytest.raises(ValueError, match="dtype"):
+        load_causal_lm(saved, dtype="int8")
+
+
+async def test_a_bfloat16_student_samples(saved: Path) -> None:
+    student = HFStudent.from_pretrained(saved, dtype="bfloat16")
+    assert {p.dtype for p in student.model.parameters()} == {torch.bfloat16}
+    prompt = prompt_ids(student)
+    comps = await student.generate(prompt, GenParams(max_tokens=8, seed=5), n=3)
+    assert len(comps) == 3 and len({tuple(c.token_ids) for c in comps}) > 1
+    full = load_causal_lm(saved)
+    for c in comps:
+        assert 1 <= len(c.token_ids) <= 8
+        tokens = prompt + c.token_ids
+        got = torch.tensor(c.logprobs)
+        torch.testing.assert_close(got, recompute(full, tokens)[len(prompt) :], atol=0.05, rtol=0)
+
+
+def test_worker_rollout_dtype_flag_sets_the_hf_students_weights(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DISTILLQ_STUDENT_DTYPE", raising=False)
+    p = argparse.ArgumentParser()
+    rollout.add_arguments(p)
+    for argv, dtype in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):
+        backend = rollout.make_backend(p.parse_args(["--backend", "hf", "--model", str(saved), *argv]))
+        assert isinstance(backend, HFStudent)
+        assert {q.dtype for q in backend.model.parameters()} == {dtype}

@@ -1,10 +1,12 @@
-"""Student backend on a local transformers model (tests, the demo, small students on CPU).
+"""Student backend on a local transformers model (``worker rollout --backend hf`` on a CPU or a GPU, the demo, tests).
 
 Sampling runs a manual KV-cached decode loop in a worker thread (``asyncio.to_thread``), batched over
 the ``n`` completions. Tokens are drawn from the processed distribution (``logits / temperature``,
 then top-p), but the recorded logprob is the model's *raw* ``log_softmax(logits)`` of the sampled token,
 computed from the same forward pass: temperature-free, equal to a teacher-forced recomputation and to
-vLLM V1's default ``raw_logprobs``. Generation calls are serialised by a lock (CPU cores are shared).
+vLLM V1's default ``raw_logprobs``. Generation calls are serialised by a lock (CPU cores are shared). The weights
+may be bfloat16 or float16 (``from_pretrained``'s ``dtype``); logits are cast to float32 before sampling and the
+log-softmax.
 
 ``load_weights`` loads the version a learner published; a folder that cannot be loaded (torn, corrupt, a NaN or
 an infinity in a tensor, another model's shape) is refused, recorded in ``checkpoint_refusals``
@@ -66,13 +68,14 @@ class HFStudent:
         self.checkpoint_refusals = CheckpointRefusals()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: str = "cpu") -> HFStudent:
-        """Load model (float32, eval, on ``device``) and tokenizer from one directory."""
+    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "auto") -> HFStudent:
+        """Load the model (weights in ``dtype`` on ``device``, in eval mode: ``pipeline.models.weights.load_causal_lm``;
+        ``auto``: bfloat16 on a GPU, float32 elsewhere) and the tokenizer from one directory."""
         from transformers import AutoTokenizer
 
-        from pipeline.models.tinymodels import load_causal_lm
+        from pipeline.models.weights import load_causal_lm
 
-        return cls(load_causal_lm(path).to(device), AutoTokenizer.from_pretrained(str(path)))
+        return cls(load_causal_lm(path, dtype=dtype, device=device), AutoTokenizer.from_pretrained(str(path)))
 
     @property
     def tokenizer(self) -> Any:
