@@ -626,6 +626,25 @@ async def test_in_flight_records_leave_when_a_dead_letter_names_the_group_or_aft
     assert await state.inflight() == [(1, 4)]
 
 
+async def test_the_mover_dead_letters_a_scored_entry_without_a_header(r: Any, keys: Keys) -> None:
+    """Only claim-checked entries are queued: one carrying its payload inline goes to the DLQ whole."""
+    from pipeline.serve.atropos.queue import AtroposQueue
+    from pipeline.serve.atropos.state import AtroposState
+    from schemas import encode
+    from schemas.build import synthetic_rollout, synthetic_scored
+
+    queue = AtroposQueue(r, keys, AtroposState(r, keys, ttl_s=3600), StreamSettings())
+    await queue.consumer.ensure_group()
+    g = synthetic_scored(synthetic_rollout(2, 16, group_id="inline", seed=3), k=4, seed=3)
+    await r.xadd(keys.stream("scored"), {b"t": b"scored", b"gid": b"inline", b"d": encode(g)})
+    (d,) = await queue.consumer.read(10, block=False)
+    assert await queue.move(d) == "dead_letter"
+    ((_, letter),) = await r.xrange(keys.dlq)
+    assert letter[b"stage"] == b"atropos" and letter[b"reason"].startswith(b"decode_error: h: missing")
+    assert letter[b"orig_d"] == encode(g)
+    assert await r.xlen(queue.k_queue) == 0
+
+
 def test_the_env_id_travels_with_the_group_not_the_in_flight_record(stack: Stack) -> None:
     """A group that waits behind a slow teacher keeps its env, even if its in-flight record is gone."""
     stack.start_trainer(batch_size=2)

@@ -45,8 +45,8 @@ from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.connection import TRANSIENT, is_cluster_client
 from pipeline.transport.consumer import Delivery, dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import F_DATA, F_ID, F_REF, F_TYPE
-from pipeline.transport.sharding import ShardedConsumer, make_consumer
+from pipeline.transport.producer import F_DATA, F_ID, F_TYPE
+from pipeline.transport.sharding import make_consumer
 from schemas import DecodeError, Limits, ScoredGroup, decode
 
 log = structlog.get_logger("distillq.serve.atropos")
@@ -125,7 +125,7 @@ class AtroposQueue:
     async def move(self, d: Delivery) -> str:
         """One scored entry onto the queue: ``queued``, ``duplicate``, ``discarded`` or ``dead_letter``."""
         try:
-            sequences, key = await self._header(d)
+            sequences, key = self._header(d)
         except DecodeError as e:
             metrics.DECODE_ERRORS.labels(STAGE).inc()
             await self.consumer.dead_letter(d, f"decode_error: {e}")
@@ -142,20 +142,15 @@ class AtroposQueue:
         await self.consumer.ack([d], keep_payloads=same_entry)
         return "duplicate" if res != 2 else "discarded"
 
-    async def _header(self, d: Delivery) -> tuple[int, str]:
-        """Sequences and payload key of an entry; an inline entry (no claim check) gets its payload a key."""
-        if d.header is not None:
-            h = decode_header(d.header)
-            if d.payload_key is None or h.group_id != d.group_id:
-                raise DecodeError("h", "claim-checked entry without a payload key, or of another group")
-            return h.sequences, d.payload_key
-        g = await asyncio.to_thread(decode, d.payload, self.limits, expect=ScoredGroup)
-        c = self.consumer
-        stream_key = c.parts[d.shard].key if isinstance(c, ShardedConsumer) else c.key
-        key = self.keys.payload(stream_key, g.group_id, f"e{d.entry_id}")
-        await self.redis.set(key, d.payload)
-        d.fields[F_REF] = key.encode()
-        return len(g.group.sequences), key
+    def _header(self, d: Delivery) -> tuple[int, str]:
+        """Sequences and payload key of an entry (``pipeline.transport.claimcheck``); a ``DecodeError`` for an
+        entry without a header or a payload key, or whose header names another group."""
+        if d.header is None:
+            raise DecodeError("h", "missing: a scored entry carries a header and its payload's key")
+        h = decode_header(d.header)
+        if d.payload_key is None or h.group_id != d.group_id:
+            raise DecodeError("h", "claim-checked entry without a payload key, or of another group")
+        return h.sequences, d.payload_key
 
     # ---- the queue ----------------------------------------------------------------------------------------
 
