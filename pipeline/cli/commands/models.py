@@ -1,5 +1,6 @@
-"""``distillq models tiny``: the demo's tiny models (built and cached), their paths, and the commands that run
-the demo's pipeline by hand, so a user can start from them without running the demo."""
+"""``distillq models tiny|prune``: the demo's tiny models (built and cached), their paths, and the commands that
+run the demo's pipeline by hand, so a user can start from them without running the demo; and depth pruning of a
+local model (``pipeline.models.prune``)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ import sys
 from pathlib import Path
 
 from pipeline.cli.commands.common import add_command
+from pipeline.cli.errors import EXIT_USAGE, CliError
 
 DEMO_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = add_command(sub, "models", "the demo's tiny models: build (cached) and print their paths and commands",
+    models = add_command(sub, "models", "the demo's tiny models, and depth pruning of a local model",
+                         "tiny: build the demo's tiny models (cached) and print their paths and commands; prune: "
+                         "remove decoder layers from a local model. distillq models ACTION --help for each.")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    p = add_command(msub, "tiny", "the demo's tiny models: build (cached) and print their paths and commands",
                     "Build the demo's tiny student and teacher (cached; the teacher trained briefly on the arithmetic "
-                    "task, as the demo does) and print their paths; with --commands, the commands that run the demo's "
-                    "pipeline by hand with them.")
-    p.add_argument("which", choices=["tiny"], help="tiny: the demo's models (vocabulary of a few hundred tokens)")
+                    "task, as the demo does; a vocabulary of a few hundred tokens) and print their paths; with "
+                    "--commands, the commands that run the demo's pipeline by hand with them.")
     p.add_argument("--commands", action="store_true",
                    help="also print the enqueue, worker and learner commands of the demo's pipeline")
     p.add_argument("--prompts", type=Path, default=None, metavar="FILE",
@@ -35,6 +40,53 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="namespace the printed commands use (default: $DISTILLQ_NAMESPACE, else distillq)")
     p.add_argument("--json", action="store_true", help="one JSON object: paths (and commands)")
     p.set_defaults(func=main)
+    add_prune_parser(msub)
+
+
+def add_prune_parser(msub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from pipeline.models.prune import METHODS
+
+    p = add_command(msub, "prune", "remove decoder layers from a local model: the least important, or every other",
+                    "Depth-prune the local causal LM in SRC into OUT: --by block-influence measures each decoder "
+                    "layer's block influence (1 - cos(layer input, layer output), mean over the prompts' tokens) and "
+                    "drops the --drop lowest; --by alternate keeps every other layer (the real pair's student). OUT "
+                    "gets the model (float32 safetensors), its tokenizer and prune.json (the dropped and kept layers "
+                    "in SRC's numbering, every layer's score, the prompts used). Llama/Qwen2/Mistral-style models.")
+    p.add_argument("src", type=Path, metavar="SRC", help="the model folder to prune (config.json, weights, tokenizer)")
+    p.add_argument("out", type=Path, metavar="OUT", help="where the pruned model goes (must not exist, or be empty)")
+    p.add_argument("--drop", type=int, default=None, metavar="N",
+                   help="decoder layers to remove, 1 to the layer count - 1 (default: none; needed with "
+                        "block-influence; alternate drops every other layer)")
+    p.add_argument("--by", choices=METHODS, default="block-influence",
+                   help="block-influence: the N layers of lowest measured influence; alternate: every other layer")
+    p.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                   help="JSONL prompts to measure on ('messages' or 'prompt' per line, as distillq enqueue reads) "
+                        "(default: the real pair's packaged train prompts)")
+    p.add_argument("--json", action="store_true", help="print prune.json instead of the summary lines")
+    p.set_defaults(func=main_prune)
+
+
+def main_prune(args: argparse.Namespace) -> int:
+    from pipeline.errors import ConfigurationError
+    from pipeline.models.prune import Prompts, prune_folder, read_prompts
+
+    try:
+        prompts: Prompts | None = read_prompts(args.prompts) if args.prompts is not None and \
+            args.by == "block-influence" else None
+        result = prune_folder(args.src, args.out, drop=args.drop, by=args.by, prompts=prompts,
+                              progress=lambda line: print(line + "...", file=sys.stderr, flush=True))
+    except ConfigurationError as e:
+        raise CliError(f"models prune: {e}", EXIT_USAGE) from e
+    rec = result.record
+    if args.json:
+        print(json.dumps(rec))
+        return 0
+    print(f"dropped  {' '.join(map(str, rec['dropped']))}")
+    print(f"kept     {' '.join(map(str, rec['kept']))}")
+    if rec["scores"] is not None:
+        print("scores   " + " ".join(f"{i}:{s:.4f}" for i, s in enumerate(rec["scores"])))
+    print(f"model    {result.out.resolve()}")
+    return 0
 
 
 def _shell(argv: list[str]) -> str:
