@@ -8,7 +8,8 @@ family                      its classes (home module)
                             (``schemas.arrays``), ``BadPrompt`` (``pipeline.transport.prompts``)
 ``ConfigurationError``      ``TeacherConfigError`` (``pipeline.teacher.base``), ``VocabMismatchError``
                             (``pipeline.teacher.vocab``), ``ShardConfigError`` (``pipeline.transport.sharding``),
-                            ``RealPairUnavailable`` (``pipeline.models.realpair``)
+                            ``RealPairUnavailable`` (``pipeline.models.realpair``); itself where no narrower class
+                            fits (``workers.rollout``, ``pipeline.learner.example``)
 ``BackendError``            ``StudentBackendError`` (``pipeline.rollout.students.base``), ``EngineError``
                             (``pipeline.rollout.sync_engines``), ``HookMissing`` (``pipeline.teacher.vllm_engine_proc``)
 ``TransportError``          ``BackpressureTimeout``, ``MessageTooLarge``, ``ProducerStopped``
@@ -19,7 +20,7 @@ family                      its classes (home module)
                             (``pipeline.serve.student.validation``), ``BodyProblem``
                             (``pipeline.serve.student.jsonbody``)
 ``CheckpointError``         itself (``pipeline.models.weights``)
-``CliError``                itself (``pipeline.cli.errors``)
+``CliError``                itself (``pipeline.stages.exits``, re-exported by ``pipeline.cli.errors``)
 ==========================  ===================================================================================
 
 The families are defined here (``DistillqError`` and ``WireFormatError`` in ``schemas.errors``, the lowest layer,
@@ -27,6 +28,10 @@ so the wire contract can use them too); each class lives beside the code that ra
 base it always had (``class BackpressureTimeout(TransportError, TimeoutError)``), so ``except TimeoutError``
 still catches it. ``distillq`` exports the families and the classes. This module imports only ``schemas.errors``:
 every layer may import it.
+
+Every entry point ends a process through ``pipeline.stages.exits.run_command``, which turns these into one line
+on stderr and an exit status: a ``ConfigurationError`` is exit status 2 (``distillq up`` does not restart it), a
+``LearnerError`` that is a ``ConnectionError`` is 3, like a Redis error, a ``CliError`` carries its own.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ __all__ = [
 
 
 class ConfigurationError(DistillqError):
-    """A setting, a flag or a pairing of models that cannot work: nothing is retried, the process does not start."""
+    """A setting, a flag or a pairing of models that cannot work: nothing is retried, the process does not start
+    (exit status 2)."""
 
 
 class BackendError(DistillqError):

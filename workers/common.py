@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from pipeline.config import StreamSettings, add_redis_args, env, redis_settings_from_args
 from pipeline.flags import add_flags, build, from_args, int_at_least, one_of
 from pipeline.logs import configure_logging
+from pipeline.stages.exits import run_command
 from pipeline.stages.worker_main import check_health, run_worker
 from pipeline.transport.connection import redis_error_line, retry_transient
 from pipeline.transport.keys import Keys
@@ -80,13 +81,15 @@ def run_stage(stage: str, args: argparse.Namespace, serve: Serve) -> int:
 def standalone(
     stage: str, add_arguments: Callable[[argparse.ArgumentParser], None], main: Callable[[argparse.Namespace], int]
 ) -> int:
-    """``python -m workers.<stage>``: the same flags and exit codes as ``distillq worker <stage>``."""
+    """``python -m workers.<stage>``: the same flags, failure lines and exit statuses as ``distillq worker <stage>``
+    (both run ``main`` through ``run_command``: a configuration error is one line and exit status 2)."""
     p = argparse.ArgumentParser(prog=f"python -m workers.{stage}", formatter_class=HelpFormatter,
                                 description=STAGE_DESCRIPTIONS[stage])
     add_arguments(p)
+    p.set_defaults(func=main)
     args = p.parse_args()
     configure_logging()
-    return main(args)
+    return run_command(args)
 
 
 #: What each stage does, for ``--help``.

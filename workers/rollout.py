@@ -11,23 +11,17 @@ import sys
 
 import redis.asyncio as aioredis
 
+from pipeline.errors import ConfigurationError
 from pipeline.flags import add_flags, build, from_args
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.students.base import GenParams, StudentBackend
-from pipeline.stages.rollout_stage import (  # RESAMPLES, sample_attributed, keep_synced: their old import path
-    RESAMPLES,
-    RolloutConfig,
-    RolloutStage,
-    keep_synced,
-    published_version,
-    sample_attributed,
-)
+from pipeline.stages.rollout_stage import RolloutConfig, RolloutStage, published_version
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.keys import Keys
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import RolloutSettings
 
-__all__ = ["RESAMPLES", "add_arguments", "keep_synced", "main", "make_backend", "sample_attributed", "serve"]
+__all__ = ["add_arguments", "main", "make_backend", "serve"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,14 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_backend(args: argparse.Namespace) -> StudentBackend:
     if not args.model:
-        raise SystemExit("distillq worker rollout: --model is required")
+        raise ConfigurationError("--model is required: the student's served model name (vllm) or local path (hf)")
     if args.backend == "hf":
         from pipeline.rollout.students.hf import HFStudent
 
         return HFStudent.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     urls = [u.strip() for arg in from_args(RolloutSettings, args).url or () for u in arg.split(",") if u.strip()]
     if not urls:
-        raise SystemExit("distillq worker rollout: --url is required for the vllm backend")
+        raise ConfigurationError("--url is required for the vllm backend")
     from transformers import AutoTokenizer
 
     from pipeline.rollout.students.vllm import VLLMStudent
@@ -60,7 +54,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
         engines = [make_engine(args.weights_sync, u, served_name=args.model) for u in urls]
         return SyncedStudent(students, engines, args.weights_dir)
     except ValueError as e:  # a malformed --url: one line, not a traceback
-        raise SystemExit(f"distillq worker rollout: {e}") from None
+        raise ConfigurationError(str(e)) from None
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:

@@ -118,13 +118,8 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipeline.teacher.vocab import VocabMismatchError
-
-    try:
-        return run_stage("teacher", args, serve)
-    except (TeacherConfigError, VocabMismatchError) as e:
-        print(f"distillq worker teacher: {e}", file=sys.stderr)
-        return 2
+    """Run the stage; a configuration it refuses raises a ``ConfigurationError`` (``run_command``: exit status 2)."""
+    return run_stage("teacher", args, serve)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Supervised local worker processes: ``distillq up`` and the demo (the no-docker ``--scale``).
 
 Each process runs in its own session (process group), logs to a file, and is restarted with backoff
-if it dies unexpectedly; one that exits with status 2 (it refused its configuration) is reported once
-(``process_refused_config``, with its last log line) and not restarted, and one that used up its restarts
-is reported once (``process_gave_up``). ``stop`` sends SIGTERM to every group, waits for a grace period, then
-SIGKILLs what is left: no process outlives the supervisor.
+if it dies unexpectedly (any status but 0 and 2, or a signal). One that exits with status 2 (``EXIT_USAGE``:
+it refused its configuration, and a restart would refuse again) is reported once
+(``process_refused_config``, with its last log line: the ``distillq: ...`` line naming the problem) and not
+restarted; one that used up its restarts is reported once (``process_gave_up``). ``stop`` sends SIGTERM to
+every group, waits for a grace period, then SIGKILLs what is left: no process outlives the supervisor.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from typing import IO
 import structlog
 
 from pipeline.backoff import BackoffPolicy
+from pipeline.cli.errors import EXIT_USAGE
 
 log = structlog.get_logger("distillq.supervisor")
 
-#: A worker's exit status for a configuration it refuses (``distillq worker``): never restarted.
-EXIT_CONFIG = 2
 #: The wait before restarting a crashed process (``pipeline.backoff``): up to 1 s, 2 s, 4 s, ... 30 s.
 RESTART_BACKOFF = BackoffPolicy(base=1.0, cap=30.0)
 
@@ -86,7 +86,7 @@ class Supervisor:
                     self._spawn(p)
                 continue
             code = p.popen.returncode
-            if code == EXIT_CONFIG and p.spec.restart:  # it refused its configuration: a restart would too
+            if code == EXIT_USAGE and p.spec.restart:  # it refused its configuration: a restart would too
                 if p.exit_code is None:
                     log.error("process_refused_config", name=p.spec.name, code=code, restarted=False,
                               reason=self.last_line(p), log_file=str(self.log_path(p)))

@@ -35,13 +35,14 @@ from typing import Any
 import structlog
 import torch
 
+from pipeline.errors import ConfigurationError
 from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from pipeline.learner.checks import LearnerConnectionError
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.tinymodels import arithmetic_problem
 from pipeline.models.weights import load_causal_lm
+from pipeline.stages.exits import run_command
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")
@@ -290,12 +291,27 @@ def main(argv: list[str] | None = None) -> int:
                         eval_max_new=a.eval_max_new, device=a.device, metrics_file=a.metrics_file,
                         batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace,
                         checkpoint_dir=a.checkpoint_dir, lr_decay=a.lr_decay)
+    a.func = lambda _: run(cfg)
+    return run_command(a)  # a configuration error: one line, exit status 2; Redis away: one line, 3
+
+
+def check_config(cfg: LearnerConfig) -> None:
+    """Refuse, before anything loads, a configuration that cannot work (``ConfigurationError``)."""
+    for flag, folder in (("--student", cfg.student), ("--eval-teacher", cfg.eval_teacher)):
+        if folder is not None and not (Path(folder) / "config.json").is_file():
+            raise ConfigurationError(f"{flag} {folder}: not a model folder (no config.json there)")
+    if cfg.heldout_file is not None and not Path(cfg.heldout_file).is_file():
+        raise ConfigurationError(f"--heldout-file {cfg.heldout_file}: no such file")
+    for flag, value in (("--sync-every", cfg.sync_every), ("--eval-every", cfg.eval_every)):
+        if value < 1:
+            raise ConfigurationError(f"{flag} must be at least 1, got {value}")
+
+
+def run(cfg: LearnerConfig) -> int:
+    """Check ``cfg``, train: 0 when a step ran, 1 when none did (no batch within ``batch_timeout_s``)."""
+    check_config(cfg)
     Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
-    try:
-        history = train(cfg)
-    except LearnerConnectionError as e:  # one line, not a traceback
-        print(f"{p.prog}: {e}", file=sys.stderr)
-        return 3
+    history = train(cfg)
     return 0 if len(history) > 1 else 1  # history[0] is the step-0 record: no step ran without a batch
 
 

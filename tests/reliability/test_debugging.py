@@ -322,7 +322,7 @@ async def test_7_top_k_above_the_readers_cap_is_refused_at_start_up(
     model = str(ensure_tiny_models().teacher)
     p = dq(private_redis.url, namespace, "worker", "teacher", "--backend", "hf", "--model", model, "--top-k", "300")
     assert p.returncode == 2
-    assert "distillq worker teacher: --top-k 300 exceeds DISTILLQ_MAX_K=256, the largest k any reader accepts" in \
+    assert "distillq: --top-k 300 exceeds DISTILLQ_MAX_K=256, the largest k any reader accepts" in \
         p.stderr
 
 
@@ -349,7 +349,7 @@ async def test_8_up_reports_a_configuration_refusal_once_and_does_not_restart_it
     assert p.returncode == 1 and took < 30  # ends once its only worker is done: no restarts
     (refusal,) = events(p.stderr, "process_refused_config")
     assert refusal["name"] == "teacher-0" and refusal["code"] == 2 and refusal["restarted"] is False
-    assert refusal["reason"] == "distillq worker teacher: --url is required for the vllm backend"
+    assert refusal["reason"] == "distillq: --url is required for the vllm backend"
     assert not events(p.stderr, "process_died")
     assert (logs / "teacher-0.log").read_text().count("--url is required") == 1  # started once
 

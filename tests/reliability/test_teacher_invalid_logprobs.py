@@ -135,7 +135,7 @@ async def test_a_sentinel_answer_at_start_up_is_a_one_line_refusal(private_redis
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("{")]  # but the JSON log events
     assert proc.returncode == 2, (proc.returncode, text[-3000:], out.decode()[-2000:])
     assert len(lines) == 1 and "Traceback" not in text + out.decode(), text
-    assert lines[0].startswith("distillq worker teacher: teacher self-test answer refused: invalid_logprobs: ")
+    assert lines[0].startswith("distillq: teacher self-test answer refused: invalid_logprobs: ")
     assert f"is {SENTINEL:g}: at or below the floor -1000" in lines[0]
     assert time.monotonic() - t0 < 30
     assert stub.sentinel_answers >= 1

@@ -72,7 +72,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("pipeline.serve.student.validation.RequestError", ApiError, ValueError),
     ("pipeline.serve.student.jsonbody.BodyProblem", ApiError, ValueError),
     ("pipeline.models.weights.CheckpointError", DistillqError, Exception),
-    ("pipeline.cli.errors.CliError", DistillqError, Exception),
+    ("pipeline.stages.exits.CliError", DistillqError, Exception),
 ]
 
 
