@@ -54,6 +54,7 @@ from pipeline.serve.student.verifiers import groups_from_traces
 from pipeline.teacher.base import TeacherConfigError
 from pipeline.teacher.vllm_engine_proc import HookMissing
 from pipeline.teacher.vocab import VocabMismatchError
+from pipeline.transport.connection import ClusterUnreachableError
 from pipeline.transport.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped
 from pipeline.transport.prompts import BadPrompt
 from pipeline.transport.sdk import AsyncGroupProducer, GroupProducer
@@ -132,6 +133,7 @@ __all__ = [
     "BodyProblem",
     "CheckpointError",
     "CliError",
+    "ClusterUnreachableError",
     "ConfigurationError",
     "DecodeError",
     "DistillStatus",

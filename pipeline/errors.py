@@ -13,7 +13,8 @@ family                      its classes (home module)
 ``BackendError``            ``StudentBackendError`` (``pipeline.rollout.students.base``), ``EngineError``
                             (``pipeline.rollout.sync_engines``), ``HookMissing`` (``pipeline.teacher.vllm_engine_proc``)
 ``TransportError``          ``BackpressureTimeout``, ``MessageTooLarge``, ``ProducerStopped``
-                            (``pipeline.transport.producer``)
+                            (``pipeline.transport.producer``), ``ClusterUnreachableError``
+                            (``pipeline.transport.connection``; a redis-py ``ConnectionError``: transient)
 ``LearnerError``            ``LearnerConnectionError`` (``pipeline.learner.checks``), ``RankTakenOver``
                             (``pipeline.learner.ranks``)
 ``ApiError``                ``ServeError`` (``pipeline.serve.student.service``), ``RequestError``

@@ -29,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.backoff import Backoff
 from pipeline.config import RedisSettings
+from pipeline.errors import TransportError
 from pipeline.transport import bigio
 
 __all__ = ["TRANSIENT", "Backoff", "ClusterUnreachableError", "connect", "is_nogroup", "is_redis_full", "mask_url",
@@ -37,7 +38,7 @@ __all__ = ["TRANSIENT", "Backoff", "ClusterUnreachableError", "connect", "is_nog
 T = TypeVar("T")
 
 
-class ClusterUnreachableError(RedisConnectionError):
+class ClusterUnreachableError(TransportError, RedisConnectionError):
     """No node of a Redis Cluster answered, or the nodes that did left slots uncovered (a master away): transient,
     like a single Redis that cannot be reached. redis-py says this with a plain ``RedisClusterException``."""
 

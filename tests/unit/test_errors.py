@@ -8,6 +8,7 @@ import inspect
 import pkgutil
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import distillq
 from pipeline.errors import (
@@ -66,6 +67,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("pipeline.transport.producer.BackpressureTimeout", TransportError, TimeoutError),
     ("pipeline.transport.producer.MessageTooLarge", TransportError, ValueError),
     ("pipeline.transport.producer.ProducerStopped", TransportError, RuntimeError),
+    ("pipeline.transport.connection.ClusterUnreachableError", TransportError, RedisConnectionError),
     ("pipeline.learner.checks.LearnerConnectionError", LearnerError, ConnectionError),
     ("pipeline.learner.ranks.RankTakenOver", LearnerError, RuntimeError),
     ("pipeline.serve.student.service.ServeError", ApiError, Exception),
