@@ -28,6 +28,7 @@ from pipeline.transport.keys import Keys, shard_of
 from pipeline.transport.producer import StreamProducer
 from pipeline.transport.sharding import get_shards, set_shards
 from schemas.build import synthetic_rollout
+from tests import streams
 from tests.cluster import LocalCluster
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -42,8 +43,9 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def fast() -> StreamSettings:
-    return StreamSettings(block_ms=100, claim_idle_ms=1000, claim_interval_ms=200, heartbeat_interval_s=0.5,
-                          shutdown_grace_s=2, backpressure_timeout_s=60)
+    """The in-test side's settings, matching the worker processes' (``teacher_proc``'s environment)."""
+    return streams.fast(claim_idle_ms=1000, claim_interval_ms=200, heartbeat_interval_s=0.5, shutdown_grace_s=2,
+                        backpressure_timeout_s=60)
 
 
 LOGS = Path(tempfile.mkdtemp(prefix="distillq-cluster-logs-"))

@@ -13,7 +13,6 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pipeline.config import StreamSettings
 from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
 from pipeline.stages.kl_control import ConstantKL
@@ -22,14 +21,9 @@ from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from pipeline.transport.sharding import ShardedConsumer
 from schemas.build import synthetic_rollout, synthetic_scored
+from tests.streams import fast, make_idle
 
 pytestmark = pytest.mark.redis
-
-
-def fast(**kw: Any) -> StreamSettings:
-    base: dict[str, Any] = dict(block_ms=50, claim_idle_ms=100, claim_interval_ms=1, heartbeat_interval_s=0.2,
-                                shutdown_grace_s=1.0, backpressure_timeout_s=10.0)
-    return StreamSettings(**{**base, **kw})
 
 
 def fail_once(obj: Any, name: str, *, first_arg: Any = None) -> list[int]:
@@ -54,20 +48,20 @@ async def test_reclaimed_entries_are_released_when_the_read_after_them_fails(r: 
     await crashed.ensure_group()
     await r.xadd(stream, {b"t": b"rollout", b"gid": b"g0", b"d": b"x"})
     [held] = await crashed.read(1)  # pending to a consumer that then dies
-    await asyncio.sleep(0.2)  # idle past claim_idle_ms
-    c = StreamConsumer(r, keys, "rollouts", "c", fast())
+    assert await make_idle(crashed) == 1  # idle past claim_idle_ms
+    c = StreamConsumer(r, keys, "rollouts", "c", fast(claim_interval_ms=1))
     c._own_cursor = None  # a fresh name: nothing of its own to re-read
     fail_once(r, "xreadgroup")  # the reclaim succeeds, the XREADGROUP after it fails
     with pytest.raises(RedisConnectionError):
         await c.read(4)
     assert c.owned == set()
-    await asyncio.sleep(0.2)
+    assert await make_idle(c) == 1  # the reclaimed entry, released: pending to c, idle again
     again = await c.read(4)
     assert [d.entry_id for d in again] == [held.entry_id] and again[0].reclaimed
 
 
 async def test_a_failing_shard_releases_what_the_others_gave(r: aioredis.Redis, keys: Keys) -> None:
-    c = ShardedConsumer(r, keys, "rollouts", "c", fast(), shards=[0, 1], total=2)
+    c = ShardedConsumer(r, keys, "rollouts", "c", fast(claim_interval_ms=1), shards=[0, 1], total=2)
     await c.ensure_group()
     for i in range(2):
         await r.xadd(keys.stream("rollouts", i, 2), {b"t": b"rollout", b"gid": f"g{i}".encode(), b"d": b"x"})
@@ -76,7 +70,7 @@ async def test_a_failing_shard_releases_what_the_others_gave(r: aioredis.Redis, 
     with pytest.raises(RedisConnectionError):
         await c.read(4)
     assert c.owned == set()
-    await asyncio.sleep(0.2)
+    assert await make_idle(c) == 1  # what shard 0 gave, released: pending, idle past claim_idle_ms
     got = await c.read(4)
     assert sorted(d.group_id for d in got) == ["g0", "g1"]
 

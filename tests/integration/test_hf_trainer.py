@@ -14,8 +14,9 @@ import redis.asyncio as aioredis
 from pipeline.learner.client import Learner
 from pipeline.learner.data import ENTRY, LearnerDataset
 from pipeline.transport.keys import Keys
-from tests.integration.test_feeder import fast, payload_keys
+from tests.integration.test_feeder import payload_keys
 from tests.integration.test_learner_delivery import feed, push
+from tests.streams import fast
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 torch = pytest.importorskip("torch")

@@ -21,7 +21,8 @@ from pipeline.stages.kl_control import ConstantKL
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from schemas.build import synthetic_rollout, synthetic_scored
-from tests.integration.test_feeder import fast, payload_keys
+from tests.integration.test_feeder import payload_keys
+from tests.streams import fast
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]

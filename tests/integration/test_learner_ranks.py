@@ -26,7 +26,8 @@ from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from schemas import BatchManifest, decode
 from schemas.build import synthetic_rollout, synthetic_scored
-from tests.integration.test_feeder import fast, payload_keys
+from tests.integration.test_feeder import payload_keys
+from tests.streams import fast
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 

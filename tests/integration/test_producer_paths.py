@@ -9,19 +9,13 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pipeline.config import StreamSettings
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import RESERVE_MS, SMALL_MESSAGE_BYTES, WRITTEN, AddResult, StreamProducer
 from schemas import DistillStatus, RolloutGroup, ScoredGroup, decode, encode
 from schemas.build import synthetic_rollout, synthetic_scored
+from tests.streams import fast
 
 pytestmark = pytest.mark.redis
-
-
-def fast(**kw: Any) -> StreamSettings:
-    base: dict[str, Any] = dict(block_ms=100, heartbeat_interval_s=0.2, shutdown_grace_s=2.0,
-                                backpressure_timeout_s=5.0)
-    return StreamSettings(**{**base, **kw})
 
 
 def big_scored(gid: str) -> ScoredGroup:

@@ -20,7 +20,6 @@ from structlog.testing import capture_logs
 from pipeline.backoff import BackoffPolicy
 from pipeline.cli.locate import locate
 from pipeline.cli.main import build_parser, main
-from pipeline.config import StreamSettings
 from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
 from pipeline.stages import rollout_worker
 from pipeline.stages.rollout_stage import RolloutStage
@@ -31,6 +30,7 @@ from pipeline.transport.producer import StreamProducer
 from pipeline.transport.prompts import Added, PromptJob, enqueue_prompts, read_record
 from schemas import RolloutGroup, decode
 from schemas.build import synthetic_rollout
+from tests.streams import fast
 from workers import rollout
 
 pytestmark = pytest.mark.redis
@@ -44,12 +44,6 @@ def write_prompts(path: Path, n: int) -> None:
         q, a = arithmetic_problem(rng)
         lines.append(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": q}], "answer": a}))
     path.write_text("\n".join(lines) + "\n")
-
-
-def fast(**kw: object) -> StreamSettings:
-    base: dict[str, object] = dict(block_ms=50, claim_idle_ms=300, claim_interval_ms=50, heartbeat_interval_s=0.2,
-                                   shutdown_grace_s=0.5, max_deliveries=3)
-    return StreamSettings(**{**base, **kw})  # type: ignore[arg-type]
 
 
 class Scripted(RolloutStage):
@@ -166,7 +160,7 @@ async def test_a_prompt_that_fails_every_time_is_dead_lettered_with_its_error_an
     monkeypatch.setattr(rollout_worker, "RETRY_BACKOFF", BackoffPolicy(base=0.4, cap=5.0, jitter=False))
     await enqueue_prompts(r, keys, [PromptJob(id="bad", prompt="?"), PromptJob(id="good", prompt="1+1=")])
     stage = Scripted(fail=frozenset({"bad"}))
-    worker = RolloutWorker(r, keys, stage, fast(), consumer_name="w", burst=True)
+    worker = RolloutWorker(r, keys, stage, fast(max_deliveries=3), consumer_name="w", burst=True)
     stats = await asyncio.wait_for(worker.run(asyncio.Event()), 30)
     assert stage.calls == {"bad": 3, "good": 1}  # max_deliveries=3 tries, then given up
     # Tries spaced by the backoff (0.4 s, then 0.8 s, the entry leased meanwhile), then the reclaim: idle for

@@ -9,7 +9,6 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from pipeline.config import StreamSettings
 from pipeline.stages.runloop import Ack, DeadLetter, Emit, Outcome, Retry, StageRunner
 from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.consumer import StreamConsumer, resolve_payloads
@@ -17,15 +16,9 @@ from pipeline.transport.keys import Keys
 from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer
 from schemas import DistillStatus, RolloutGroup, ScoredGroup, decode
 from schemas.build import synthetic_rollout
+from tests.streams import fast, make_idle
 
 pytestmark = pytest.mark.redis
-
-
-def fast(**kw: object) -> StreamSettings:
-    base: dict[str, object] = dict(block_ms=100, claim_idle_ms=200, claim_interval_ms=50, heartbeat_interval_s=0.2,
-                                   shutdown_grace_s=2.0, backpressure_timeout_s=5.0)
-    base.update(kw)
-    return StreamSettings(**base)  # type: ignore[arg-type]
 
 
 async def test_produce_consume_ack_deletes(r: aioredis.Redis, keys: Keys) -> None:
@@ -97,7 +90,7 @@ async def test_backpressure_timeout_is_clear(r: aioredis.Redis, keys: Keys) -> N
 
 
 async def test_reclaim_after_consumer_dies(r: aioredis.Redis, keys: Keys) -> None:
-    s = fast()
+    s = fast(claim_interval_ms=1)
     prod = StreamProducer(r, keys, "rollouts", s)
     dead = StreamConsumer(r, keys, "rollouts", "dead", s)
     await dead.ensure_group()
@@ -107,10 +100,10 @@ async def test_reclaim_after_consumer_dies(r: aioredis.Redis, keys: Keys) -> Non
     assert len(taken) == 3
     live = StreamConsumer(r, keys, "rollouts", "live", s)
     assert await live.read(3, block_ms=10) == []  # not idle long enough yet
-    await dead.touch()  # a live owner renews its lease...
-    await asyncio.sleep(0.15)
+    assert await make_idle(dead) == 3  # idle for an hour...
+    await dead.touch()  # ...but a live owner renews its lease...
     assert await live.read(3, block_ms=10) == []  # ...so nothing is taken from it
-    await asyncio.sleep(0.3)
+    assert await make_idle(dead) == 3  # it renews no more
     again = await live.read(3)
     assert sorted(d.group_id for d in again) == ["g0", "g1", "g2"]
     assert all(d.reclaimed and d.deliveries == 2 for d in again)
@@ -119,7 +112,7 @@ async def test_reclaim_after_consumer_dies(r: aioredis.Redis, keys: Keys) -> Non
 
 
 async def test_dead_letter_after_max_deliveries(r: aioredis.Redis, keys: Keys) -> None:
-    s = fast(max_deliveries=2, claim_idle_ms=50)
+    s = fast(max_deliveries=2, claim_interval_ms=1)
     prod = StreamProducer(r, keys, "rollouts", s)
     c = StreamConsumer(r, keys, "rollouts", "c", s)
     await c.ensure_group()
@@ -127,11 +120,11 @@ async def test_dead_letter_after_max_deliveries(r: aioredis.Redis, keys: Keys) -
     first = await c.read(1)  # delivery 1
     assert len(first) == 1
     c.release(first)  # handling failed: not acked, no longer in flight
-    await asyncio.sleep(0.1)
+    assert await make_idle(c) == 1
     second = await c.read(1)  # delivery 2 (reclaimed by itself)
     assert second and second[0].deliveries == 2
     c.release(second)
-    await asyncio.sleep(0.1)
+    assert await make_idle(c) == 1
     assert await c.read(1, block_ms=10) == []  # delivery 3 exceeds the max -> DLQ
     dlq = await r.xrange(keys.dlq)
     assert len(dlq) == 1
@@ -198,7 +191,7 @@ async def test_redelivered_entry_is_not_emitted_twice(r: aioredis.Redis, keys: K
     (d,) = await dying.read(1)
     g = decode(d.payload, expect=RolloutGroup)
     await StreamProducer(r, keys, "scored", s).send(ScoredGroup(group=g, status=DistillStatus.SKIPPED))
-    await asyncio.sleep(0.3)  # ... and died before XACK
+    assert await make_idle(dying) == 1  # ... and died before XACK
     logic = Echo()
     runner = StageRunner(r, keys, logic, RolloutGroup, "rollouts", "scored", s, consumer_name="w2")
     stats = await asyncio.wait_for(runner.run(asyncio.Event(), burst=True), 10)
