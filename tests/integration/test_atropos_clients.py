@@ -131,6 +131,7 @@ def check_against_teacher(item: dict[str, Any], model: Any) -> None:
             assert set(ids[p]) - {tok[p]} <= top
 
 
+@pytest.mark.slow
 async def test_base_env_and_example_trainer_through_the_server_and_a_teacher(
     redis_url: str, keys: Keys, tiny: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,7 +31,7 @@ from tests.redis_server import free_port
 
 pytest.importorskip("atroposlib", reason="atroposlib 0.4.0 not installed: pip install atroposlib==0.4.0")
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 ITEMS = 14  # groups per environment (2 sequences each, a batch each: batch_size 2)
 

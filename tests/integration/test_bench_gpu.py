@@ -14,6 +14,8 @@ import pytest
 
 from tests.vllm_server import VLLM_PYTHON, needs_vllm
 
+pytestmark = pytest.mark.slow  # a benchmark harness, run end to end
+
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\| tiny \| (\S+) \| ([\d,]+) \| ([\d,]+) \(([\d.]+)\) \| ([\d,]+) \(([\d.]+)\) \|$", re.M)
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.vllm_server import VLLM_PYTHON, needs_vllm
 
+pytestmark = pytest.mark.slow  # a benchmark harness, run end to end
+
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ("--hidden", "64", "--layers", "1", "--batch", "2", "96", "--long", "128", "--k", "1", "4", "--dtype", "float32")
 NUM = r"(\d+\.\d+)"

@@ -165,6 +165,7 @@ async def test_a_namespace_without_feeder_warns_and_names_the_ones_with_one(r: a
     await quiet.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_documented_order_loses_no_update_after_kill_9(r: aioredis.Redis, keys: Keys, redis_url: str,
                                                              tmp_path: Path) -> None:

@@ -90,6 +90,7 @@ async def settled_state(r: aioredis.Redis, keys: Keys) -> tuple[int, int, int, i
     return await r.xlen(keys.stream("batches")), pending, len(await payload_keys(r, keys)), await r.xlen(keys.dlq)
 
 
+@pytest.mark.slow
 async def test_two_rank_processes_share_each_batch(r: aioredis.Redis, keys: Keys, redis_url: str,
                                                   tmp_path: Path) -> None:
     batches = await batches_of_uneven_groups(r, keys)
@@ -136,6 +137,7 @@ async def test_a_batch_is_acknowledged_only_when_every_rank_acked(r: aioredis.Re
             await x.aclose()
 
 
+@pytest.mark.slow
 async def test_killed_rank_brings_the_whole_batch_back_to_every_rank(r: aioredis.Redis, keys: Keys,
                                                                      redis_url: str, tmp_path: Path) -> None:
     batches = await batches_of_uneven_groups(r, keys)
@@ -196,6 +198,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 async def test_ddp_ranks_gradients_equal_one_process_on_the_whole_batch(
     r: aioredis.Redis, keys: Keys, redis_url: str, tmp_path: Path
 ) -> None:

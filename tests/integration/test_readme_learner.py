@@ -19,7 +19,8 @@ from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
 from pipeline.stages.kl_control import ConstantKL
 from pipeline.transport.keys import Keys
-from tests.integration.test_feeder import fast, payload_keys, push_scored
+from tests.integration.test_feeder import payload_keys, push_scored
+from tests.streams import fast
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]

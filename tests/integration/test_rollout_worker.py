@@ -81,6 +81,7 @@ async def drain_rollouts(r: aioredis.Redis, keys: Keys, seen: list[str], stop: a
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_enqueue_and_two_rollout_workers(tmp_path: Path, redis_url: str, keys: Keys,
                                                r: aioredis.Redis) -> None:
     tiny = ensure_tiny_models()

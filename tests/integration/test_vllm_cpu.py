@@ -30,6 +30,7 @@ TOL = 1e-5
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,
     pytest.mark.timeout(START_TIMEOUT_S + 120),
     needs_vllm,
 ]

@@ -38,6 +38,7 @@ MEM = 0.15  # of node memory on the CPU build (the 0.9 default fails on a busy h
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,
     pytest.mark.timeout(2 * START_TIMEOUT_S + 120),
     needs_vllm,
     pytest.mark.asyncio(loop_scope="module"),

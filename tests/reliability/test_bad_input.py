@@ -29,7 +29,7 @@ from tests.redis_server import RedisServer
 from tests.reliability import mutations as mut
 from tests.reliability.harness import RecordingLearner, Workers, redis_client, report, wait_until
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(240)]
 
 BAD_PER_STREAM = 5000
 GOOD_PER_STREAM = 250

@@ -139,6 +139,7 @@ async def test_2_every_writing_command_names_the_namespace_and_an_unused_one_is_
 # --- 3 and 10. stats shows what the heartbeats hold; where is group G ----------------------------------
 
 
+@pytest.mark.slow  # worker processes
 async def test_3_10_stale_drops_and_the_policy_version_show_in_stats_and_where_finds_the_group(
     workers: Workers, private_redis: RedisServer, namespace: str, tmp_path: Path
 ) -> None:
@@ -226,6 +227,7 @@ async def _stale_beat(r: Any, keys: Keys) -> bool:
 # --- 4 and 5. a teacher whose backend fails; an unreachable teacher URL --------------------------------
 
 
+@pytest.mark.slow  # worker processes
 async def test_4_teacher_check_fails_while_its_backend_fails_and_drops_show_in_stats(
     workers: Workers, private_redis: RedisServer, namespace: str
 ) -> None:
@@ -274,6 +276,7 @@ async def _healthy(url: str, ns: str, env: dict[str, str]) -> bool:
     return (await asyncio.to_thread(dq, url, ns, "worker", "teacher", "--check", "--any-host", env=env)).returncode == 0
 
 
+@pytest.mark.slow  # worker processes
 async def test_5_an_unreachable_teacher_url_is_reported_at_once(
     workers: Workers, private_redis: RedisServer, namespace: str
 ) -> None:
@@ -371,6 +374,7 @@ def test_8_supervisor_gives_up_loudly_after_its_restarts(tmp_path: Path) -> None
 # --- 9. a stopped feeder, a stopped learner: inputs kept, never dead-lettered ------------------------
 
 
+@pytest.mark.slow  # worker processes
 async def test_9_full_downstream_keeps_inputs_pending_and_logs_the_documented_events(
     workers: Workers, private_redis: RedisServer, namespace: str
 ) -> None:

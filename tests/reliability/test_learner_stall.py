@@ -28,7 +28,7 @@ from tests.reliability.harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(150)]
 
 CAP = 50
 GROUPS = 600

@@ -36,7 +36,7 @@ from tests.reliability.harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(180)]
 
 K = 8
 RATE_HZ = 50.0  # groups the producer offers per second

@@ -22,7 +22,7 @@ from tests.integration.test_rollout_worker import Scripted
 from tests.redis_server import RedisServer
 from tests.reliability.harness import Workers, fast_settings, redis_client, report, wait_until
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]  # worker processes end to end
 N = 10
 
 

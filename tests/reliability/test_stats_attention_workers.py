@@ -17,7 +17,7 @@ from tests.reliability.harness import FAST_ENV, Workers, heartbeat_pid, redis_cl
 from tests.reliability.teacher_stub import MODEL, SwitchableTeacher
 from tests.reliability.test_debugging import dq, stats_json
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(120)]
 
 
 def attention(url: str, ns: str) -> list[str]:

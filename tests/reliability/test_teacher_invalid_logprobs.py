@@ -33,7 +33,7 @@ from tests.reliability.harness import (
 from tests.reliability.teacher_stub import MODEL, SENTINEL, SwitchableTeacher
 from tests.reliability.test_debugging import stats_json
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(150)]
 
 K = 4
 LIMITS = Limits()

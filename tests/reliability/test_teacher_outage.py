@@ -32,7 +32,7 @@ from tests.reliability.harness import (
 )
 from tests.reliability.teacher_stub import MODEL, SwitchableTeacher
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(150)]
 
 K = 5
 TIMEOUT_S = 1.0

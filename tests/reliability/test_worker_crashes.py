@@ -33,7 +33,7 @@ from tests.reliability.harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(240)]
 
 GROUPS = 1000
 KILLS = 20

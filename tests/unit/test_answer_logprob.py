@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -11,6 +12,7 @@ from pipeline.models.taskeval import answer_logprob
 from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models, load_causal_lm
 
 
+@pytest.mark.slow  # trains the tiny student for real (a minute on 2 cores)
 def test_training_on_the_answers_raises_their_log_likelihood() -> None:
     import random
 

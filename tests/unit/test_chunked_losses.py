@@ -368,6 +368,7 @@ def test_tiny_llama_hidden_states_and_lm_head() -> None:
         _close(a, b)
 
 
+@pytest.mark.slow
 def test_real_vocab_model_chunked_losses_equal_the_logits_losses() -> None:
     """The realistic-shape model (vocabulary 151,936): hidden states + lm_head through the chunked losses
     equal the losses on the model's own logits, value and lm_head gradient."""

@@ -204,7 +204,7 @@ def edited(draw: st.DrawFn) -> tuple[Message, Limits]:
         return msg, limits
 
 
-@settings(SETTINGS, max_examples=600)
+@settings(SETTINGS)
 @given(edited())
 def test_fast_structural_checks_agree_with_validate(case: tuple[Message, Limits]) -> None:
     """The fast path accepts exactly the messages ``validate`` accepts; decode's errors are validate's."""

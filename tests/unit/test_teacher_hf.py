@@ -210,6 +210,7 @@ def assert_rows_match(full: torch.Tensor, tokens: np.ndarray, rows: np.ndarray, 
     assert (res.topk_ids == top.indices.numpy()).mean() > 0.99  # ties aside, the very same ids
 
 
+@pytest.mark.slow
 async def test_real_vocab_chunked_equals_full_logits(real_model: Any, started: Factory) -> None:
     """Chunk sizes 1, 7 (not dividing), 64, and one chunk for all rows; rows=None and a random subset."""
     rng = np.random.default_rng(3)
@@ -248,6 +249,7 @@ def group_with_prompt(
     return seqs
 
 
+@pytest.mark.slow
 async def test_prefix_sharing_equals_no_sharing(real_model: Any, started: Factory) -> None:
     """A group whose tails differ in length and whose last sequence diverges inside the prompt, plus an unrelated
     sequence, in one call; continuations split over several forwards over the same prefix cache."""

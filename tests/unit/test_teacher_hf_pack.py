@@ -108,6 +108,7 @@ async def test_packed_equals_padded_tiny(model: Any, started: Factory) -> None:
     assert packed._fw is not None and packed._fw.counters.forward_calls >= 3  # the budget split the work
 
 
+@pytest.mark.slow
 async def test_packed_equals_padded_real_vocab(real_model: Any, started: Factory) -> None:
     """Real vocabulary, 4,000 tokens of unequal sequences, k=64: packed rows equal the padded batches."""
     lengths = [1024, 700, 1500, 300, 476]
@@ -118,6 +119,7 @@ async def test_packed_equals_padded_real_vocab(real_model: Any, started: Factory
     assert_same(await packed.score(reqs), await padded.score(reqs))
 
 
+@pytest.mark.slow
 async def test_shared_prefix_kept_with_packing(real_model: Any, started: Factory) -> None:
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, REAL_VOCAB_SIZE, 80).astype(np.int32)
@@ -133,6 +135,7 @@ async def test_shared_prefix_kept_with_packing(real_model: Any, started: Factory
     assert both.tokens_computed - before == sum(len(s) - 1 for s in seqs) - 2 * 80  # the prompt ran once
 
 
+@pytest.mark.slow
 async def test_half_precision_weights_float32_logsoftmax(real_model: Any, started: Factory) -> None:
     """bfloat16 weights: float32 logprobs that normalise, close to the float32 model's."""
     import copy

@@ -299,6 +299,7 @@ async def test_vllm_rows_equal_rows_of_full_request(model: Any, hf: HFTeacher, a
         assert stub.requests == 1 + sum(r.n_rows > 0 for r in reqs)  # the cap probe; no call for no rows
 
 
+@pytest.mark.slow
 async def test_vllm_k256_at_real_vocabulary(real_model: Any) -> None:
     """k = 256 over a 151,936-token vocabulary for 300 positions: the stub serves the real-vocabulary
     model's logprobs (up to 257 items a position, ids up to 151,935), equal to the HF teacher's."""

@@ -38,6 +38,7 @@ def _rank(rank: int, directory: str, mode: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned ranks, each loading torch and the student: minutes on 2 cores
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_one_writer(mode: str, tmp_path: Path) -> None:
