@@ -20,7 +20,7 @@ from tests.integration.test_serve_student_requests import reference_cut, stop_st
 from tests.vllm_server import START_TIMEOUT_S, needs_vllm, vllm_server
 
 NAME = "tiny-student"
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(START_TIMEOUT_S + 240), needs_vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + 240), needs_vllm]
 
 
 @pytest.fixture(scope="module")

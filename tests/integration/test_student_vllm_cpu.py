@@ -39,6 +39,7 @@ NAME = "tiny-student"
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,
     pytest.mark.timeout(START_TIMEOUT_S + 120),
     needs_vllm,
 ]

@@ -40,7 +40,7 @@ PROMPT = [3, 310, 16, 24, 34, 4, 40, 41, 42, 7]
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}
 EXTRA = ("--max-model-len", "256", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.1")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_TIMEOUT_S), needs_vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3 * START_TIMEOUT_S), needs_vllm]
 
 
 @pytest.fixture(scope="module")
