@@ -1,30 +1,40 @@
 """Settings classes as command-line flags: each field of a ``FlagSettings`` class is declared once and gives
-its argparse flag (name, type, default, metavar, help), its environment variable, the configs it maps into,
-and its row of the docs table.
+its argparse flag (name, type, default, metavar, help), its environment variable and its row of the docs table.
 
     class TeacherSettings(FlagSettings):
-        top_k: Annotated[int, Flag(env="TOP_K", metavar="K", to=("ScoringConfig.default_k",))] = Field(
-            20, ge=1, description="default k")
+        top_k: Annotated[int, Flag(env="TOP_K", metavar="K")] = Field(20, ge=1, description="default k")
 
 gives ``--top-k K`` (an integer, at least 1; ``argument --top-k: 0 is below 1`` otherwise), read from
-``DISTILLQ_TOP_K`` when the flag is not given, 20 when neither is, and ``build(ScoringConfig, settings)``
-passes it as ``default_k``. Precedence: the flag > the environment variable > the field's default. The
-environment is read when the parser is built, so ``--help`` shows the default in effect and a bad value there
-is a usage error naming the flag, as a bad flag is. An empty variable counts as unset.
+``DISTILLQ_TOP_K`` when the flag is not given, 20 when neither is. Precedence: the flag > the environment
+variable > the field's default. The environment is read when the parser is built, so ``--help`` shows the
+default in effect and a bad value there is a usage error naming the flag, as a bad flag is. An empty variable
+counts as unset.
+
+One text per field: the ``description`` (markdown) is the docs table's meaning, and the ``--help`` text is the
+same words without the markup (``help_text``: backticks dropped, links reduced to their text, a parenthesised
+link to another page left out). Configs are built from a settings object by explicit code beside the settings
+class (``workers.settings.scoring_config``, ...); nothing here routes values by name.
 
 Types: ``bool`` is an on/off switch (``store_true``); ``Literal[...]`` a choice; ``int`` with ``ge`` (and
 ``le``) in that range; ``list[str] | None`` a repeatable flag whose variable is comma-separated; ``Flag.parse``
 any other parser.
 ``TeacherSettings()`` alone reads the environment the same way (no flags), for code that embeds a stage.
+
+Why not pydantic-settings' own ``CliSettingsSource`` (2.16, measured): its ``--help`` shows the field's default
+(``--top-k int  default k (default: 20)``) when ``DISTILLQ_TOP_K=7`` is in effect; a bad value, from the
+environment or a flag, is a pydantic ``ValidationError`` naming the field (``top_k``), not an argparse usage
+error naming ``--top-k``; and a ``bool`` field becomes a ``--x/--no-x`` pair (or a flag that takes a value),
+not today's ``store_true`` switch, with a type name (``int``) for a metavar.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import annotated_types
@@ -35,7 +45,6 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pipeline.config import ENV_PREFIX, env
 
 S = TypeVar("S", bound="FlagSettings")
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +55,7 @@ class Flag:
     ``parse``: an argparse ``type`` for values no annotation describes; ``cli_default``: the string the parser
     converts when neither flag nor variable is given (``auto``), shown as the default; ``default_text``: what
     ``--help`` and the docs say the default is when it is not a value (``none, the model's``);
-    ``doc``: the docs' meaning when longer than the help (markdown); ``to``: configs the value goes into, as
-    ``"Class.field"`` or ``"Class"`` (a field of the same name), for ``build``."""
+    the help and the docs' meaning are the field's ``description`` (see ``help_text``)."""
 
     env: str | None = None
     flag: str | None = None
@@ -55,8 +63,6 @@ class Flag:
     parse: Callable[[str], Any] | None = None
     cli_default: str | None = None
     default_text: str | None = None
-    doc: str | None = None
-    to: tuple[str, ...] = ()
 
 
 def flag_of(field: FieldInfo) -> Flag:
@@ -177,9 +183,22 @@ def option(name: str, meta: Flag) -> str:
     return meta.flag or "--" + name.replace("_", "-")
 
 
+_LINK = r"\[([^\]]*)\]\([^)\s]*\)"
+
+
+def plain(description: str) -> str:
+    """``description`` without its markdown: a parenthesised link to another page (`` ([learner.md](...))``)
+    and a link closing a parenthesis (``; [below](#x))``) left out, other links reduced to their text,
+    backticks dropped."""
+    text = re.sub(r"\s*\(" + _LINK + r"\)", "", description)
+    text = re.sub(r"[;,]\s*" + _LINK + r"(?=\))", "", text)
+    return re.sub(_LINK, r"\1", text).replace("`", "")
+
+
 def help_text(field: FieldInfo, meta: Flag) -> str:
-    """The description, then the variable and a default that is not a value: ``(env DISTILLQ_X; default: ...)``.
-    A default that is a value is added by the help formatter (``(default: 20)``)."""
+    """The description as plain text (``plain``), then the variable and a default that is not a value:
+    ``(env DISTILLQ_X; default: ...)``. A default that is a value is added by the help formatter
+    (``(default: 20)``)."""
     notes = []
     if meta.env:
         notes.append(f"env {env_name(meta)}" + (", comma-separated" if _is_list(field) else ""))
@@ -187,7 +206,7 @@ def help_text(field: FieldInfo, meta: Flag) -> str:
         notes.append("default: " + meta.default_text.replace("`", ""))
     elif _is_list(field) or (field.default is None and meta.cli_default is None):
         notes.append("default: none")
-    text = field.description or ""
+    text = plain(field.description or "").replace("%", "%%")
     return f"{text} ({'; '.join(notes)})" if notes else text
 
 
@@ -216,21 +235,6 @@ def from_args(cls: type[S], args: argparse.Namespace) -> S:
     return cls(**given)
 
 
-def targets(cls: type[FlagSettings], target: str) -> Iterator[tuple[str, str]]:
-    """(settings field, ``target``'s parameter) for each field of ``cls`` that maps into class ``target``."""
-    for name, field in cls.model_fields.items():
-        for to in flag_of(field).to:
-            owner, _, param = to.partition(".")
-            if owner == target:
-                yield name, param or name
-
-
-def build(target: Callable[..., T], settings: FlagSettings, **computed: Any) -> T:
-    """``target(**kwargs)`` from the fields of ``settings`` that map into it (``Flag.to``), then ``computed``."""
-    kwargs = {param: getattr(settings, name) for name, param in targets(type(settings), target.__name__)}
-    return target(**{**kwargs, **computed})
-
-
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -253,7 +257,7 @@ def doc_table(cls: type[FlagSettings]) -> str:
         meta = flag_of(field)
         var = env_name(meta)
         env_cell = f"`{var}`" + (" (comma-separated)" if _is_list(field) else "") if var else ""
-        meaning = meta.doc or field.description or ""
+        meaning = field.description or ""
         cells = (f"`{option(name, meta)}`", env_cell, _cell(_doc_default(field, meta)), _cell(meaning))
         lines.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
     return "\n".join(lines) + "\n"

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pipeline.config import StreamSettings, add_redis_args, env, redis_settings_from_args
-from pipeline.flags import add_flags, build, from_args, int_at_least, one_of
+from pipeline.flags import add_flags, from_args, int_at_least, one_of
 from pipeline.logs import configure_logging
 from pipeline.stages.exits import run_command
 from pipeline.stages.worker_main import check_health, run_worker
@@ -56,9 +56,10 @@ async def shard_plan(
     return shards, parse_assigned(getattr(args, "shards", None), shards)
 
 
-def stream_settings(args: argparse.Namespace, **overrides: Any) -> StreamSettings:
-    """``StreamSettings`` from the environment, with the worker's flags that map into them (``WorkerSettings``)."""
-    return build(StreamSettings, from_args(WorkerSettings, args), **overrides)
+def stream_settings(args: argparse.Namespace) -> StreamSettings:
+    """``StreamSettings`` from the environment, with the worker's ``--max-in-flight`` and ``--read-count``."""
+    s = from_args(WorkerSettings, args)
+    return StreamSettings(max_in_flight=s.max_in_flight, read_count=s.read_count)
 
 
 def run_stage(stage: str, args: argparse.Namespace, serve: Serve) -> int:

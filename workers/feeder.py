@@ -8,13 +8,13 @@ import sys
 
 import redis.asyncio as aioredis
 
-from pipeline.flags import add_flags, build, from_args
+from pipeline.flags import add_flags, from_args
 from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL
 from pipeline.transport.keys import Keys
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
-from workers.settings import FeederSettings
+from workers.settings import FeederSettings, batching_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace) -> BatchingConfig:
-    s = from_args(FeederSettings, args)
-    return build(BatchingConfig, s, max_staleness=None if s.max_staleness < 0 else s.max_staleness)
+    return batching_config(from_args(FeederSettings, args))
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:

@@ -12,14 +12,14 @@ import sys
 import redis.asyncio as aioredis
 
 from pipeline.errors import ConfigurationError
-from pipeline.flags import add_flags, build, from_args
+from pipeline.flags import add_flags, from_args
 from pipeline.rollout.rewards import get_reward
-from pipeline.rollout.students.base import GenParams, StudentBackend
+from pipeline.rollout.students.base import StudentBackend
 from pipeline.stages.rollout_stage import RolloutConfig, RolloutStage, published_version
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.keys import Keys
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
-from workers.settings import RolloutSettings
+from workers.settings import RolloutSettings, gen_params, student_urls
 
 __all__ = ["add_arguments", "main", "make_backend", "serve"]
 
@@ -36,7 +36,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
         from pipeline.rollout.students.hf import HFStudent
 
         return HFStudent.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    urls = [u.strip() for arg in from_args(RolloutSettings, args).url or () for u in arg.split(",") if u.strip()]
+    urls = student_urls(from_args(RolloutSettings, args))
     if not urls:
         raise ConfigurationError("--url is required for the vllm backend")
     from transformers import AutoTokenizer
@@ -59,7 +59,7 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
     cfg = RolloutConfig(group_size=args.group_size, weights_dir=args.weights_dir,
-                        params=build(GenParams, from_args(RolloutSettings, args)))
+                        params=gen_params(from_args(RolloutSettings, args)))
     stage = RolloutStage(make_backend(args), get_reward(args.reward), cfg, published_version(redis, keys))
     shards, _ = await shard_plan(args, redis, keys, stop)
     worker = RolloutWorker(redis, keys, stage, stream_settings(args), consumer_name=args.consumer_name, shards=shards,

@@ -10,15 +10,23 @@ from typing import get_args
 import redis.asyncio as aioredis
 import structlog
 
-from pipeline.flags import add_flags, build, from_args
+from pipeline.flags import add_flags, from_args
 from pipeline.stages.runloop import StageRunner
-from pipeline.stages.scoring import Scorer, ScoringConfig
+from pipeline.stages.scoring import Scorer
 from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.base import TeacherBackend, TeacherConfigError
 from pipeline.transport.keys import Keys
 from schemas import RolloutGroup
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
-from workers.settings import Dtype, TeacherBackendName, TeacherSettings, auto_or_positive
+from workers.settings import (
+    Dtype,
+    TeacherBackendName,
+    TeacherSettings,
+    auto_or_positive,
+    http_teacher_config,
+    scoring_config,
+    vllm_engine_config,
+)
 
 __all__ = ["BACKENDS", "DTYPES", "add_arguments", "auto_or_positive", "main", "make_backend", "prepare", "serve"]
 
@@ -40,23 +48,22 @@ def make_backend(args: argparse.Namespace) -> TeacherBackend:
 
         if not s.model:
             raise TeacherConfigError("--model PATH is required for the hf backend")
-        return build(HFTeacher, s, model_path=s.model)
+        return HFTeacher(s.model, max_batch_tokens=s.max_batch_tokens, device=s.device, dtype=s.dtype,
+                         chunk_positions=s.hf_chunk_positions, min_shared_prefix=s.hf_min_shared_prefix)
     if s.backend == "vllm-engine":
-        from pipeline.teacher.vllm_engine import VLLMEngineConfig, VLLMEngineTeacher
+        from pipeline.teacher.vllm_engine import VLLMEngineTeacher
 
         if not s.model:
             raise TeacherConfigError("--model PATH is required for the vllm-engine backend")
-        return VLLMEngineTeacher(build(VLLMEngineConfig, s, python=s.vllm_python or sys.executable))
+        return VLLMEngineTeacher(vllm_engine_config(s, s.model, s.vllm_python or sys.executable))
     if s.backend == "synthetic":
         from pipeline.teacher.synthetic import SyntheticTeacher
 
-        return build(SyntheticTeacher, s)
-    from pipeline.teacher.vllm_http import HTTPTeacherConfig
-
+        return SyntheticTeacher(latency_s=s.synthetic_latency)
     urls = tuple(s.url or ())
     if not urls:
         raise TeacherConfigError(f"--url is required for the {s.backend} backend")
-    cfg = build(HTTPTeacherConfig, s, urls=urls, startup_timeout_s=60.0)
+    cfg = http_teacher_config(s, urls)
     if s.backend == "sglang":
         from pipeline.teacher.sglang_http import SGLangTeacher
 
@@ -99,9 +106,7 @@ async def _checked(backend: TeacherBackend, args: argparse.Namespace) -> Scorer:
         check_same_vocab(teacher_tok, args.student_tokenizer)
     checksum = await self_test_checksum(backend)
     log.info("teacher_ready", identity=backend.identity, max_k=backend.max_k, top_k=args.top_k, self_test=checksum)
-    s = from_args(TeacherSettings, args)
-    cfg = build(ScoringConfig, s, concurrent_calls=1 if s.backend == "hf" else s.concurrency)
-    return Scorer(backend, cfg, limits=stream_settings(args).limits())
+    return Scorer(backend, scoring_config(from_args(TeacherSettings, args)), limits=stream_settings(args).limits())
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:

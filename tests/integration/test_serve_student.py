@@ -34,7 +34,7 @@ from pipeline.cli.errors import CliError
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.serve.student.app import create_app
-from pipeline.serve.student.service import ServeConfig, StudentService
+from pipeline.serve.student.service import StudentServeConfig, StudentService
 from pipeline.serve.student.sessions import GroupAssembler, SessionStore
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA
@@ -120,7 +120,7 @@ Sink = Callable[[RolloutGroup], Awaitable[object]]
 def make_service(student: HFStudent, sink: Sink, clock: Clock | None = None, **cfg: Any) -> StudentService:
     c = clock or Clock()
     sessions = SessionStore(max_sessions=cfg.pop("max_sessions", 64), ttl_s=cfg.pop("ttl_s", 60.0), clock=c)
-    config = ServeConfig(served_names=(MODEL,), max_model_len=cfg.pop("max_model_len", 1024), vocab_size=512, **cfg)
+    config = StudentServeConfig(served_names=(MODEL,), max_model_len=cfg.pop("max_model_len", 1024), vocab_size=512, **cfg)
     return StudentService(
         student, config, sink, sessions=sessions, groups=GroupAssembler(ttl_s=sessions.ttl_s, clock=c)
     )
@@ -269,7 +269,7 @@ async def test_real_vocabulary_and_thousands_of_tokens(
     from pipeline.models.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model
 
     real = HFStudent.from_pretrained(ensure_real_vocab_model())
-    config = ServeConfig(served_names=(MODEL,), max_model_len=32_768, vocab_size=REAL_VOCAB_SIZE)
+    config = StudentServeConfig(served_names=(MODEL,), max_model_len=32_768, vocab_size=REAL_VOCAB_SIZE)
     service = StudentService(real, config, producer.push)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, REAL_VOCAB_SIZE, 3000).tolist()
@@ -582,7 +582,7 @@ async def test_the_vllm_client_is_closed_when_the_server_stops(
         listening.append(server.servers[0].sockets[0].getsockname()[1])
         server.should_exit = True
 
-    config = ServeConfig(served_names=(MODEL,), max_model_len=64)
+    config = StudentServeConfig(served_names=(MODEL,), max_model_len=64)
     assert await asyncio.wait_for(_serve(args, backend, config, started=stop), 60) == 0
     assert listening and listening[0] > 0
     with pytest.raises(RuntimeError, match="client has been closed"):

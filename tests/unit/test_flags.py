@@ -1,48 +1,40 @@
 """Settings classes as flags (``pipeline.flags``, ``workers/settings.py``, ``serve atropos``/``serve student``'s
-settings): precedence flag > variable >
-default, bad values from either are usage errors naming the flag, every field's mapping reaches a real
-config parameter, and docs/cli.md's generated tables match the classes."""
+settings): precedence flag > variable > default, bad values from either are usage errors naming the flag, the
+configs built from a settings object carry its fields, the help is the description without its markdown, and
+docs/cli.md's generated tables match the classes."""
 
 from __future__ import annotations
 
 import argparse
-import inspect
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
 import pytest
 
 from pipeline.cli import docs
-from pipeline.config import StreamSettings
-from pipeline.flags import FlagSettings, add_flags, build, flag_of, from_args
-from pipeline.rollout.students.base import GenParams
+from pipeline.config import RedisSettings, StreamSettings
+from pipeline.flags import FlagSettings, add_flags, flag_of, from_args, help_text, plain
 from pipeline.rollout.sync_engines import ENGINES
-from pipeline.serve.atropos.settings import AtroposSettings
-from pipeline.serve.atropos.startup import ServeConfig
-from pipeline.serve.student import service as student_service
-from pipeline.serve.student.app import create_app
-from pipeline.serve.student.sessions import SessionStore
-from pipeline.serve.student.settings import StudentServeSettings
+from pipeline.serve.atropos.settings import AtroposSettings, serve_config
+from pipeline.serve.student.settings import StudentServeSettings, session_store, student_serve_config
 from pipeline.serve.student.settings import WeightsSync as StudentWeightsSync
-from pipeline.stages.batching import BatchingConfig
-from pipeline.stages.scoring import ScoringConfig
-from pipeline.teacher.hf import HFTeacher
-from pipeline.teacher.synthetic import SyntheticTeacher
-from pipeline.teacher.vllm_engine import VLLMEngineConfig
-from pipeline.teacher.vllm_http import HTTPTeacherConfig
 from workers import feeder, rollout, teacher
-from workers.settings import STAGE_SETTINGS, RolloutSettings, TeacherSettings, WeightsSync, WorkerSettings
+from workers.common import stream_settings
+from workers.settings import (
+    STAGE_SETTINGS,
+    RolloutSettings,
+    TeacherSettings,
+    WeightsSync,
+    WorkerSettings,
+    gen_params,
+    http_teacher_config,
+    scoring_config,
+    student_urls,
+    vllm_engine_config,
+)
 
 ALL: tuple[type[FlagSettings], ...] = (WorkerSettings, *STAGE_SETTINGS.values(), AtroposSettings,
                                        StudentServeSettings)
-#: Every class a settings field maps into (``Flag.to``), by name.
-TARGETS: dict[str, Callable[..., Any]] = {c.__name__: c for c in (
-    StreamSettings, ScoringConfig, HTTPTeacherConfig, VLLMEngineConfig, HFTeacher, SyntheticTeacher, BatchingConfig,
-    GenParams, ServeConfig)}
-#: ``serve student``'s targets (its ``ServeConfig`` is not the Atropos server's).
-STUDENT_TARGETS: dict[str, Callable[..., Any]] = {c.__name__: c for c in (
-    student_service.ServeConfig, SessionStore, create_app)}
 ADD = {"teacher": teacher.add_arguments, "feeder": feeder.add_arguments, "rollout": rollout.add_arguments}
 
 
@@ -105,39 +97,64 @@ def test_bad_values_name_the_flag(
     assert str(e.value).startswith(said), str(e.value)
 
 
-def test_every_mapping_names_a_parameter_of_its_target() -> None:
-    for cls in ALL:
-        known = STUDENT_TARGETS if cls is StudentServeSettings else TARGETS
-        for name, field in cls.model_fields.items():
-            for to in flag_of(field).to:
-                owner, _, param = to.partition(".")
-                assert owner in known, f"{cls.__name__}.{name}: unknown target {owner}"
-                assert (param or name) in inspect.signature(known[owner]).parameters, (cls.__name__, name, to)
-
-
 def test_configs_built_from_flags_carry_them() -> None:
     s = from_args(TeacherSettings, parse("teacher", "--top-k", "5", "--retries", "1", "--rows", "all", "--fp16-topk",
-                                         "--concurrency", "3", "--timeout", "7", "--model", "m"))
-    scoring = build(ScoringConfig, s, concurrent_calls=2)
-    assert (scoring.default_k, scoring.retries, scoring.rows, scoring.fp16_topk, scoring.concurrent_calls) == (
-        5, 1, "all", True, 2)
-    http = build(HTTPTeacherConfig, s, urls=("http://x:1",))
-    assert (http.k, http.max_concurrency, http.timeout_s, http.model) == (5, 3, 7.0, "m")
+                                         "--concurrency", "3", "--timeout", "7", "--model", "m", "--k-over-cap", "drop",
+                                         "--max-batch-tokens", "99"))
+    scoring = scoring_config(s)
+    assert (scoring.default_k, scoring.retries, scoring.rows, scoring.fp16_topk, scoring.concurrent_calls,
+            scoring.k_over_cap, scoring.max_batch_tokens) == (5, 1, "all", True, 3, "drop", 99)
+    assert scoring_config(s.model_copy(update={"backend": "hf"})).concurrent_calls == 1  # hf: one call at a time
+    http = http_teacher_config(s, ("http://x:1",))
+    assert (http.k, http.max_concurrency, http.timeout_s, http.model, http.startup_timeout_s) == (5, 3, 7.0, "m", 60.0)
+    e = from_args(TeacherSettings, parse("teacher", "--top-k", "4", "--vllm-max-logprobs", "8", "--dtype", "float16",
+                                         "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5",
+                                         "--vllm-max-model-len", "64", "--vllm-max-num-batched-tokens", "128",
+                                         "--vllm-enforce-eager"))
+    engine = vllm_engine_config(e, "m", "py")
+    assert (engine.model, engine.python, engine.k, engine.max_logprobs, engine.dtype, engine.tensor_parallel_size,
+            engine.gpu_memory_utilization, engine.max_model_len, engine.max_num_batched_tokens,
+            engine.enforce_eager) == ("m", "py", 4, 8, "float16", 2, 0.5, 64, 128, True)
     args = parse("feeder", "--max-wait", "0.5", "--max-staleness", "-1", "--token-count", "padded",
-                 "--max-batch-groups", "3")
+                 "--max-batch-groups", "3", "--max-batch-tokens", "77", "--missing-distill", "drop",
+                 "--reward-weight", "0.25", "--length-bucketing")
     batching = feeder.config(args)
-    assert (batching.max_wait_s, batching.max_staleness, batching.token_count, batching.max_batch_groups) == (
-        0.5, None, "padded", 3)
-    gen = build(GenParams, from_args(RolloutSettings, parse("rollout", "--max-tokens", "9", "--top-p", "0.5")))
-    assert (gen.max_tokens, gen.top_p, gen.temperature) == (9, 0.5, 1.0)
+    assert (batching.max_wait_s, batching.max_staleness, batching.token_count, batching.max_batch_groups,
+            batching.max_batch_tokens, batching.missing_distill, batching.reward_weight, batching.length_bucketing) == (
+        0.5, None, "padded", 3, 77, "drop", 0.25, True)
+    assert feeder.config(parse("feeder", "--max-staleness", "2")).max_staleness == 2
+    r = from_args(RolloutSettings, parse("rollout", "--max-tokens", "9", "--top-p", "0.5", "--temperature", "0.7",
+                                         "--url", "http://a:1, http://b:2", "--url", "http://c:3"))
+    gen = gen_params(r)
+    assert (gen.max_tokens, gen.top_p, gen.temperature) == (9, 0.5, 0.7)
+    assert student_urls(r) == ["http://a:1", "http://b:2", "http://c:3"]
+    streams = stream_settings(parse("feeder", "--read-count", "3", "--max-in-flight", "5"))
+    assert (streams.read_count, streams.max_in_flight) == (3, 5)
+
+
+def test_atropos_config_carries_its_flags() -> None:
     serve = argparse.ArgumentParser(exit_on_error=False)
     add_flags(serve, AtroposSettings)
-    cfg = build(ServeConfig, from_args(AtroposSettings, serve.parse_args(["--gzip-level", "9", "--lease-s", "3"])))
-    assert (cfg.gzip_level, cfg.lease_s, cfg.batch_wait_s, cfg.consumer_name) == (9, 3.0, 1.0, "atropos-server")
+    a = from_args(AtroposSettings, serve.parse_args(["--gzip-level", "9", "--lease-s", "3", "--batch-wait-s", "0.5",
+                                                     "--consumer-name", "c", "--body-timeout-s", "4"]))
+    redis, streams = RedisSettings(namespace="ns"), StreamSettings()
+    cfg = serve_config(a, redis, streams)
+    assert (cfg.gzip_level, cfg.lease_s, cfg.batch_wait_s, cfg.consumer_name, cfg.body_timeout_s) == (
+        9, 3.0, 0.5, "c", 4.0)
+    assert cfg.redis is redis and cfg.streams is streams
     with pytest.raises(argparse.ArgumentError, match="argument --gzip-level: 10 is above 9"):
         serve.parse_args(["--gzip-level", "10"])
-    streams = build(StreamSettings, from_args(WorkerSettings, parse("feeder", "--read-count", "3")))
-    assert (streams.read_count, streams.max_in_flight) == (3, 16)
+
+
+def test_help_is_the_description_without_its_markdown() -> None:
+    assert plain("carry `x` as float16 ([wire-format.md](wire-format.md#f))") == "carry x as float16"
+    assert plain("`a` (child, arrays; [below](#b)), `c`") == "a (child, arrays), c"
+    assert plain("see [learner.md](learner.md#x) for more") == "see learner.md for more"
+    for cls in ALL:
+        for name, field in cls.model_fields.items():
+            text = help_text(field, flag_of(field))
+            assert text.startswith(plain(field.description or "").replace("%", "%%")), (cls.__name__, name)
+            assert "`" not in text and "](" not in text, (cls.__name__, name, text)
 
 
 def test_choices_match_the_code_that_takes_them() -> None:
@@ -180,10 +197,10 @@ def test_serve_student_weights_sync_comes_from_its_variable(monkeypatch: pytest.
 def test_serve_student_configs_carry_its_flags() -> None:
     s = from_args(StudentServeSettings, student("--default-max-tokens", "9", "--group-size", "4", "--env-id", "2",
                                                 "--policy-version", "3", "--session-ttl", "60", "--max-sessions", "5"))
-    cfg = build(student_service.ServeConfig, s, served_names=("m",), max_model_len=64)
-    assert (cfg.default_max_tokens, cfg.group_size, cfg.env_id, cfg.policy_version, cfg.max_model_len) == (
-        9, 4, 2, 3, 64)
-    sessions = build(SessionStore, s)
+    cfg = student_serve_config(s, ("m",), 64, 512)
+    assert (cfg.served_names, cfg.default_max_tokens, cfg.group_size, cfg.env_id, cfg.policy_version,
+            cfg.max_model_len, cfg.vocab_size) == (("m",), 9, 4, 2, 3, 64, 512)
+    sessions = session_store(s)
     assert (sessions.ttl_s, sessions.max_sessions) == (60.0, 5)
 
 

@@ -248,7 +248,7 @@ async def test_serve_student_tags_each_group_with_its_servers_version(
 ) -> None:
     """``serve student --weights-dir``: a rollout's requests all ran on one version -> its group carries it;
     a rollout whose requests straddle a reload is dropped and counted; groups never mix versions."""
-    from pipeline.serve.student.service import FinishRequest, GenerateRequest, ServeConfig, StudentService
+    from pipeline.serve.student.service import FinishRequest, GenerateRequest, StudentServeConfig, StudentService
 
     student = synced([stubs[0].url], weights)
     await student.start()
@@ -259,7 +259,7 @@ async def test_serve_student_tags_each_group_with_its_servers_version(
     async def sink(group: Any) -> None:
         pushed.append(group)
 
-    config = ServeConfig(served_names=(NAME,), max_model_len=256, group_size=2, versions_from_server=True)
+    config = StudentServeConfig(served_names=(NAME,), max_model_len=256, group_size=2, versions_from_server=True)
     service = StudentService(student, config, sink)
 
     async def rollout(session: str, turns: int = 1) -> dict[str, Any]:

@@ -25,8 +25,8 @@ import structlog
 from pipeline.cli.commands.common import add_command
 from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
-from pipeline.flags import add_flags, build, from_args
-from pipeline.serve.atropos.settings import AtroposSettings
+from pipeline.flags import add_flags, from_args
+from pipeline.serve.atropos.settings import AtroposSettings, serve_config
 
 
 def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,13 +43,11 @@ def run_atropos(args: argparse.Namespace) -> int:
 
     from pipeline.cli.commands.common import ensure_reachable, run
     from pipeline.serve.atropos.app import create_app
-    from pipeline.serve.atropos.startup import ServeConfig
 
     if not (math.isfinite(args.batch_wait_s) and 0 <= args.batch_wait_s <= 60):
         raise CliError(f"--batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
                        EXIT_USAGE)
-    cfg = build(ServeConfig, from_args(AtroposSettings, args), redis=redis_settings_from_args(args),
-                streams=StreamSettings())
+    cfg = serve_config(from_args(AtroposSettings, args), redis_settings_from_args(args), StreamSettings())
     run(ensure_reachable(cfg.redis))  # Redis away: one line and exit status 3, not a traceback after retries
     structlog.get_logger("distillq.serve.atropos").info("atropos_listening", url=f"http://{args.host}:{args.port}",
                                                         namespace=cfg.redis.namespace)

@@ -34,13 +34,13 @@ import structlog
 from pipeline.cli.commands.common import ensure_reachable, run
 from pipeline.cli.errors import EXIT_USAGE, CliError, fail, run_command
 from pipeline.config import add_redis_args, redis_settings_from_args
-from pipeline.flags import add_flags, build, from_args
+from pipeline.flags import add_flags, from_args
 from pipeline.logs import configure_logging
-from pipeline.serve.student.settings import StudentServeSettings
+from pipeline.serve.student.settings import StudentServeSettings, session_store, student_serve_config
 
 if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
     from pipeline.rollout.students.base import StudentBackend
-    from pipeline.serve.student.service import ServeConfig
+    from pipeline.serve.student.service import StudentServeConfig
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +51,7 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     add_redis_args(p)
 
 
-def _hf_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
+def _hf_backend(args: argparse.Namespace) -> tuple[StudentBackend, StudentServeConfig]:
     from pipeline.rollout.students.hf import HFStudent
 
     student = HFStudent.from_pretrained(args.model)
@@ -77,7 +77,7 @@ def _vllm_models(root: str) -> list[dict[str, Any]]:
     return data
 
 
-def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig]:
+def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, StudentServeConfig]:
     from transformers import AutoTokenizer
 
     from pipeline.rollout.students.vllm import VLLMStudent
@@ -106,17 +106,14 @@ def _vllm_backend(args: argparse.Namespace) -> tuple[StudentBackend, ServeConfig
     return backend, dataclasses.replace(config, versions_from_server=backend.synced)
 
 
-def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, vocab: int | None) -> ServeConfig:
-    from pipeline.serve.student.service import ServeConfig
-
-    return build(ServeConfig, from_args(StudentServeSettings, args), served_names=names, max_model_len=max_len,
-                 vocab_size=vocab)
+def _config(args: argparse.Namespace, names: tuple[str, ...], max_len: int, vocab: int | None) -> StudentServeConfig:
+    return student_serve_config(from_args(StudentServeSettings, args), names, max_len, vocab)
 
 
 async def _serve(
     args: argparse.Namespace,
     backend: StudentBackend,
-    config: ServeConfig,
+    config: StudentServeConfig,
     *,
     started: Callable[[Any], None] | None = None,
 ) -> int:
@@ -142,23 +139,22 @@ async def _serve(
 
 
 async def _serve_app(
-    args: argparse.Namespace, backend: StudentBackend, config: ServeConfig, started: Callable[[Any], None] | None
+    args: argparse.Namespace, backend: StudentBackend, config: StudentServeConfig, started: Callable[[Any], None] | None
 ) -> int:
     import uvicorn
 
     from pipeline.serve.student.app import create_app
     from pipeline.serve.student.service import StudentService
-    from pipeline.serve.student.sessions import SessionStore
     from pipeline.transport.sdk import AsyncGroupProducer
 
     rs = redis_settings_from_args(args)
     settings = from_args(StudentServeSettings, args)
     async with AsyncGroupProducer(rs.redis_url, namespace=rs.namespace) as producer:
-        sessions = build(SessionStore, settings)
+        sessions = session_store(settings)
         service = StudentService(backend, config, producer.push, sessions=sessions)
         api_key = os.environ.get(args.api_key_var) if args.api_key_var else None
-        app = build(create_app, settings, service=service, maintain_every_s=min(30.0, max(args.session_ttl / 4, 0.1)),
-                    api_key=api_key)
+        app = create_app(service, maintain_every_s=min(30.0, max(settings.session_ttl / 4, 0.1)), api_key=api_key,
+                         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
         stopped: list[int] = []
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -182,7 +178,7 @@ async def _serve_app(
     return 0
 
 
-def _started(args: argparse.Namespace, server: Any, config: ServeConfig, namespace: str) -> None:
+def _started(args: argparse.Namespace, server: Any, config: StudentServeConfig, namespace: str) -> None:
     port = server.servers[0].sockets[0].getsockname()[1]
     if args.port_file:
         args.port_file.write_text(f"{port}\n")

@@ -114,7 +114,9 @@ class FinishRequest(BaseModel):
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class StudentServeConfig:
+    """What ``serve student`` serves (names, context, vocabulary) and stamps on the groups it pushes."""
+
     served_names: tuple[str, ...]
     max_model_len: int
     vocab_size: int | None = None
@@ -163,7 +165,7 @@ class StudentService:
     def __init__(
         self,
         backend: StudentBackend,
-        config: ServeConfig,
+        config: StudentServeConfig,
         sink: Sink,
         *,
         sessions: SessionStore | None = None,
