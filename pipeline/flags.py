@@ -17,7 +17,7 @@ class (``workers.settings.scoring_config``, ...); nothing here routes values by 
 
 Types: ``bool`` is an on/off switch (``store_true``); ``Literal[...]`` a choice; ``int`` with ``ge`` (and
 ``le``) in that range; ``list[str] | None`` a repeatable flag whose variable is comma-separated; ``Flag.parse``
-any other parser.
+any other parser; a field without a default a flag that must be given.
 ``TeacherSettings()`` alone reads the environment the same way (no flags), for code that embeds a stage.
 
 Why not pydantic-settings' own ``CliSettingsSource`` (2.16, measured): its ``--help`` shows the field's default
@@ -204,10 +204,26 @@ def help_text(field: FieldInfo, meta: Flag) -> str:
         notes.append(f"env {env_name(meta)}" + (", comma-separated" if _is_list(field) else ""))
     if meta.default_text is not None:
         notes.append("default: " + meta.default_text.replace("`", ""))
+    elif field.is_required():
+        notes.append("required")
     elif _is_list(field) or (field.default is None and meta.cli_default is None):
         notes.append("default: none")
     text = plain(field.description or "").replace("%", "%%")
     return f"{text} ({'; '.join(notes)})" if notes else text
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default (``(default: X)``) unless it is None or off, or the help text
+    already says it (a default that comes from elsewhere, such as ``$DISTILLQ_REDIS_URL``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        off = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if off or action.default == [] or "default:" in text or "%(default)" in text:  # not `in (...)`: 0 == False
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)"
+        return text
 
 
 def add_flags(p: argparse.ArgumentParser, cls: type[FlagSettings]) -> None:
@@ -225,6 +241,8 @@ def add_flags(p: argparse.ArgumentParser, cls: type[FlagSettings]) -> None:
             continue
         parse, choices = _parser(field, meta)
         default = _env_value(meta) or (meta.cli_default if meta.cli_default is not None else field.default)
+        if field.is_required() and default is field.default:  # no default and no variable: the flag must be given
+            kwargs["required"], default = True, None
         p.add_argument(option(name, meta), type=parse, choices=choices, default=default, **kwargs)
 
 
@@ -242,6 +260,8 @@ def _cell(text: str) -> str:
 def _doc_default(field: FieldInfo, meta: Flag) -> str:
     if meta.default_text is not None:
         return meta.default_text
+    if field.is_required():
+        return "required"
     if field.annotation is bool:
         return "off"
     value = meta.cli_default if meta.cli_default is not None else field.default

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pipeline.config import StreamSettings, add_redis_args, env, redis_settings_from_args
-from pipeline.flags import add_flags, from_args, int_at_least, one_of
+from pipeline.flags import HelpFormatter, add_flags, from_args, int_at_least, one_of
 from pipeline.logs import configure_logging
 from pipeline.stages.exits import run_command
 from pipeline.stages.worker_main import check_health, run_worker
@@ -26,20 +26,6 @@ __all__ = ["STAGE_DESCRIPTIONS", "HelpFormatter", "add_common_args", "env", "int
            "shard_plan", "standalone", "stream_settings"]
 
 Serve = Callable[[argparse.Namespace, aioredis.Redis, Keys, asyncio.Event], Awaitable[Any]]
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows each option's default (``(default: X)``) unless it is None or off, or the help text
-    already says it (a default that comes from elsewhere, such as ``$DISTILLQ_REDIS_URL``)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        off = action.default is None or action.default is False or action.default is argparse.SUPPRESS
-        if off or action.default == [] or "default:" in text or "%(default)" in text:  # not `in (...)`: 0 == False
-            return text
-        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-            return f"{text} (default: %(default)s)"
-        return text
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

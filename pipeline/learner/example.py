@@ -15,9 +15,10 @@ In that order a crash loses no update and trains no batch twice: a restarted lea
 checkpoint, publishes its weights again, and acknowledges without training a redelivered batch that the
 checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL), including the batch's
 sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to the teacher on held-out prompts
-(the tiny arithmetic task's, or ``--heldout-file``'s: JSONL rows with ``messages``; where they carry
-``accept`` answers, the student's task accuracy at the first and last step and the teacher's at the first,
-as ``heldout_task_accuracy`` and ``teacher_task_accuracy``).
+(the tiny arithmetic task's, or ``--heldout-file``'s: JSONL rows with ``messages``, the reverse KL on the first
+``--eval-kl-prompts`` of them where given; where they carry ``accept`` answers, the student's task accuracy at
+the first and last step and the teacher's at the first, on all of them, as ``heldout_task_accuracy`` and
+``teacher_task_accuracy``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import structlog
 import torch
+from pydantic import Field
 
+from pipeline.config import add_redis_args
 from pipeline.errors import ConfigurationError
+from pipeline.flags import Flag, FlagSettings, HelpFormatter, add_flags, from_args
 from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
@@ -62,6 +66,7 @@ class LearnerConfig:
     eval_teacher: str | None = None
     eval_every: int = 25
     eval_prompts: int = 48
+    eval_kl_prompts: int | None = None  # the reverse KL on the first N held-out prompts only (None: all)
     heldout_file: str | None = None
     device: str = "cpu"
     eval_max_new: int = 8
@@ -104,7 +109,7 @@ class Evaluator:
         if self.teacher is None:
             self.prompts: list[list[int]] = []
         elif rows:
-            self.prompts = [message_ids(tokenizer, r["messages"]) for r in rows]
+            self.prompts = [message_ids(tokenizer, r["messages"]) for r in rows[:cfg.eval_kl_prompts]]
         else:
             self.prompts = heldout_prompts(tokenizer, cfg.eval_prompts)
         self.eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [2]
@@ -266,31 +271,69 @@ def _emit(rec: dict[str, float], history: list[dict[str, float]], out: Any,
         log.info("eval", step=int(rec["step"]), heldout_reverse_kl=round(rec["heldout_reverse_kl"], 4))
 
 
+def _lr_decay(text: str) -> str:
+    if text not in ("none", "linear"):
+        raise argparse.ArgumentTypeError(f"none or linear, got {text!r}")
+    return text
+
+
+class LearnerSettings(FlagSettings):
+    """``python -m pipeline.learner.example``'s flags (``pipeline.flags``; none is read from the environment but
+    ``--redis-url``/``--namespace``, ``RedisSettings``)."""
+
+    student: Annotated[str, Flag(metavar="DIR")] = Field(description="the student model folder it starts from")
+    weights_dir: Annotated[str, Flag(metavar="DIR")] = Field(
+        description="where each published version's checkpoint folder goes")
+    steps: Annotated[int, Flag(metavar="N")] = Field(300, description="training steps")
+    lr: Annotated[float, Flag(metavar="LR")] = Field(2e-3, description="AdamW learning rate")
+    lr_decay: Annotated[Literal["none", "linear"], Flag(metavar="none|linear", parse=_lr_decay)] = Field(
+        "none", description="`none`, or `linear`: from `--lr` at step 1 to 0 at `--steps`, a function of the step")
+    pg_weight: Annotated[float, Flag(metavar="W")] = Field(
+        1.0, description="weight of the importance-sampled policy gradient on the feeder's advantages")
+    kd_weight: Annotated[float, Flag(metavar="W")] = Field(
+        1.0, description="weight of the top-k forward KL to the teacher")
+    sync_every: Annotated[int, Flag(metavar="N")] = Field(
+        1, description="publish the weights as the next version every N steps")
+    eval_teacher: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None, description="a local teacher for the held-out evaluation")
+    eval_every: Annotated[int, Flag(metavar="N")] = Field(25, description="evaluate every N steps")
+    eval_prompts: Annotated[int, Flag(metavar="N")] = Field(48, description="held-out prompts")
+    eval_kl_prompts: Annotated[int | None, Flag(metavar="N", default_text="all")] = Field(
+        None, description="the reverse KL on the first N held-out prompts only")
+    heldout_file: Annotated[str | None, Flag(metavar="PATH")] = Field(
+        None, description="JSONL rows with `messages`, and optionally `accept` answers, to evaluate on instead of "
+                          "the arithmetic prompts")
+    eval_max_new: Annotated[int, Flag(metavar="N")] = Field(8, description="tokens sampled per held-out prompt")
+    device: Annotated[str, Flag(metavar="DEVICE")] = Field(
+        "cpu", description="torch device of the student, the teacher and each batch")
+    metrics_file: Annotated[str | None, Flag(metavar="PATH")] = Field(
+        None, description="JSONL, one record per step")
+    batch_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        60.0, description="give up after this many seconds without a batch")
+    checkpoint_dir: Annotated[str | None, Flag(metavar="DIR", default_text="`WEIGHTS_DIR/checkpoint`")] = Field(
+        None, description="where the checkpoint (model, optimizer, step, version) is kept")
+
+
+def learner_config(s: LearnerSettings, redis_url: str | None, namespace: str | None) -> LearnerConfig:
+    """The run's config from its flags; ``redis_url``/``namespace`` None: the environment's (``RedisSettings``)."""
+    return LearnerConfig(student=s.student, weights_dir=s.weights_dir, steps=s.steps, lr=s.lr, lr_decay=s.lr_decay,
+                         pg_weight=s.pg_weight, kd_weight=s.kd_weight, sync_every=s.sync_every,
+                         eval_teacher=s.eval_teacher, eval_every=s.eval_every, eval_prompts=s.eval_prompts,
+                         eval_kl_prompts=s.eval_kl_prompts, heldout_file=s.heldout_file, eval_max_new=s.eval_max_new,
+                         device=s.device, metrics_file=s.metrics_file, batch_timeout_s=s.batch_timeout,
+                         redis_url=redis_url, namespace=namespace, checkpoint_dir=s.checkpoint_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.logs import configure_logging
 
-    p = argparse.ArgumentParser(prog="python -m pipeline.learner.example", description=__doc__.split("\n")[0])
-    for name, typ, default in (
-        ("student", str, None), ("weights-dir", str, None), ("steps", int, 300), ("lr", float, 2e-3),
-        ("lr-decay", str, "none"),
-        ("pg-weight", float, 1.0), ("kd-weight", float, 1.0), ("sync-every", int, 1), ("eval-teacher", str, None),
-        ("eval-every", int, 25), ("eval-prompts", int, 48), ("heldout-file", str, None), ("eval-max-new", int, 8),
-        ("device", str, "cpu"),
-        ("metrics-file", str, None),
-        ("batch-timeout", float, 60.0), ("redis-url", str, None), ("namespace", str, None),
-        ("checkpoint-dir", str, None),
-    ):
-        p.add_argument(f"--{name}", type=typ, default=default, required=name in ("student", "weights-dir"))
+    p = argparse.ArgumentParser(prog="python -m pipeline.learner.example", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    add_flags(p, LearnerSettings)
+    add_redis_args(p)
     a = p.parse_args(argv)
-    if a.lr_decay not in ("none", "linear"):
-        p.error(f"argument --lr-decay: none or linear, got {a.lr_decay!r}")
     configure_logging()
-    cfg = LearnerConfig(student=a.student, weights_dir=a.weights_dir, steps=a.steps, lr=a.lr, pg_weight=a.pg_weight,
-                        kd_weight=a.kd_weight, sync_every=a.sync_every, eval_teacher=a.eval_teacher,
-                        eval_every=a.eval_every, eval_prompts=a.eval_prompts, heldout_file=a.heldout_file,
-                        eval_max_new=a.eval_max_new, device=a.device, metrics_file=a.metrics_file,
-                        batch_timeout_s=a.batch_timeout, redis_url=a.redis_url, namespace=a.namespace,
-                        checkpoint_dir=a.checkpoint_dir, lr_decay=a.lr_decay)
+    cfg = learner_config(from_args(LearnerSettings, a), a.redis_url, a.namespace)
     a.func = lambda _: run(cfg)
     return run_command(a)  # a configuration error: one line, exit status 2; Redis away: one line, 3
 

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.cli import docs
 from pipeline.config import RedisSettings, StreamSettings
-from pipeline.flags import FlagSettings, add_flags, flag_of, from_args, help_text, plain
+from pipeline.flags import FlagSettings, add_flags, doc_table, flag_of, from_args, help_text, plain
 from pipeline.rollout.sync_engines import ENGINES
 from pipeline.serve.atropos.settings import AtroposSettings, serve_config
 from pipeline.serve.student.settings import StudentServeSettings, session_store, student_serve_config
@@ -220,3 +220,21 @@ def test_docs_check_fails_on_a_hand_edited_table(tmp_path: Any) -> None:
     assert docs.main(["--check", "--file", str(path)]) == 1
     assert docs.main(["--file", str(path)]) == 0 and docs.main(["--check", "--file", str(path)]) == 0
     assert "| `--top-k` | `DISTILLQ_TOP_K` | 20 |" in path.read_text(encoding="utf-8")
+
+
+def test_example_learner_flags_build_its_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.learner.example import LearnerSettings, learner_config
+
+    p = argparse.ArgumentParser()
+    add_flags(p, LearnerSettings)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--steps", "3"])
+    assert "the following arguments are required: --student, --weights-dir" in capsys.readouterr().err
+    s = from_args(LearnerSettings, p.parse_args(["--student", "s", "--weights-dir", "w", "--steps", "3",
+                                                 "--lr-decay", "linear", "--batch-timeout", "5", "--eval-kl-prompts",
+                                                 "2", "--checkpoint-dir", "c"]))
+    cfg = learner_config(s, "redis://h:1/0", "ns")
+    assert (cfg.student, cfg.weights_dir, cfg.steps, cfg.lr_decay, cfg.batch_timeout_s, cfg.eval_kl_prompts,
+            cfg.checkpoint_dir, cfg.redis_url, cfg.namespace, cfg.lr) == (
+        "s", "w", 3, "linear", 5.0, 2, "c", "redis://h:1/0", "ns", 2e-3)
+    assert "| `--student` | | required | the student model folder it starts from |" in doc_table(LearnerSettings)
