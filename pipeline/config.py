@@ -16,7 +16,9 @@ ENV_PREFIX = "DISTILLQ_"
 
 def env(name: str, default: str | None = None) -> str | None:
     """The variable ``DISTILLQ_<name>``, else ``default``: the one place a setting is read from the environment
-    by name (settings classes read theirs through pydantic-settings or ``pipeline.flags``)."""
+    by name (settings classes read theirs through pydantic-settings or ``pipeline.flags``). Nothing else in
+    ``pipeline``, ``workers`` or ``distillq`` reads a ``DISTILLQ_*`` variable from ``os.environ``
+    (tests/unit/test_env_reads.py)."""
     return os.environ.get(f"{ENV_PREFIX}{name}", default)
 
 

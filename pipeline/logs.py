@@ -50,13 +50,15 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
 
     Raises ``ValueError`` for an unknown level name.
     """
-    level_name = (level or os.environ.get("DISTILLQ_LOG_LEVEL") or "INFO").upper()
+    from pipeline.config import env
+
+    level_name = (level or env("LOG_LEVEL") or "INFO").upper()
     levels = logging.getLevelNamesMapping()
     if level_name not in levels:
         raise ValueError(f"unknown log level {level_name!r}: use DEBUG, INFO, WARNING or ERROR")
     if json is None:
-        env = os.environ.get("DISTILLQ_LOG_JSON")
-        json = env == "1" if env is not None else not sys.stderr.isatty()
+        given = env("LOG_JSON")
+        json = given == "1" if given is not None else not sys.stderr.isatty()
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )

@@ -7,11 +7,11 @@ The server starts with ``VLLM_SERVER_DEV_MODE=1`` on a free loopback port; the r
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 from pipeline.cli.supervisor import ProcSpec, distillq_argv
+from pipeline.config import env
 
 SERVED_NAME = "tiny-student"
 #: Seconds added to the demo's timeout for the server to start (model load, engine warm-up on CPU).
@@ -20,7 +20,7 @@ START_S = 300.0
 
 def vllm_python() -> Path | None:
     """The vLLM venv's Python: ``$DISTILLQ_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` here; ``None`` if absent."""
-    given = os.environ.get("DISTILLQ_VLLM_PYTHON")
+    given = env("VLLM_PYTHON")
     path = Path(given) if given else Path(".venv-vllm") / "bin" / "python"
     return path.absolute() if path.exists() else None
 

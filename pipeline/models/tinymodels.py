@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import env
 from pipeline.models.weights import load_causal_lm as load_causal_lm  # noqa: PLC0414  (named here too: see above)
 
-DEFAULT_CACHE = Path(os.environ.get("DISTILLQ_CACHE", ".cache")) / "tiny"
+DEFAULT_CACHE = Path(env("CACHE") or ".cache") / "tiny"
 VOCAB_SIZE = 512
 SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|tool|>"]
 CHAT_TEMPLATE = (

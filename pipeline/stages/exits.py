@@ -17,7 +17,6 @@ for the commands.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Final
 
@@ -69,10 +68,10 @@ def _leaf(exc: BaseException) -> BaseException:
 
 def redis_url(args: argparse.Namespace) -> str | None:
     """The Redis URL the command used: its flag, else the environment, else the default (None: the demo's own)."""
-    from pipeline.config import redis_settings_from_args
+    from pipeline.config import env, redis_settings_from_args
 
     if getattr(args, "command", None) == "demo":
-        return getattr(args, "redis_url", None) or os.environ.get("DISTILLQ_REDIS_URL")
+        return getattr(args, "redis_url", None) or env("REDIS_URL")
     try:
         return redis_settings_from_args(args).redis_url
     except ValidationError:

@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "schemas": set(),
     "pipeline.errors": {"schemas"},
     "pipeline.base": {"schemas"},
-    "pipeline.models": set(),
+    "pipeline.models": {"pipeline.base"},  # pipeline.config: DISTILLQ_CACHE
     "pipeline.teacher": {"schemas", "pipeline.base", "pipeline.models"},
     "pipeline.rollout": {"schemas", "pipeline.base", "pipeline.models"},
     "pipeline.transport": {"schemas", "pipeline.base"},

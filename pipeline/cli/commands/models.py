@@ -121,8 +121,7 @@ def write_prompts(path: Path, n: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import os
-
+    from pipeline.config import env
     from pipeline.models.pretrain import train_teacher
     from pipeline.models.tinymodels import ensure_tiny_models
 
@@ -136,8 +135,8 @@ def main(args: argparse.Namespace) -> int:
         write_prompts(args.prompts, args.count)
     cmds: list[str] = []
     if args.commands:
-        url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL") or DEMO_REDIS_URL
-        ns = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "distillq"
+        url = args.redis_url or env("REDIS_URL") or DEMO_REDIS_URL
+        ns = args.namespace or env("NAMESPACE") or "distillq"
         cmds = commands(student, teacher, args.out.resolve(), url, ns, args.prompts)
     if args.json:
         print(json.dumps({**paths, **({"commands": cmds} if args.commands else {})}))
