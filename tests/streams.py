@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -18,6 +20,13 @@ FAST: dict[str, Any] = dict(block_ms=100, claim_idle_ms=300, claim_interval_ms=5
 def fast(**overrides: Any) -> StreamSettings:
     """``StreamSettings`` with ``FAST``'s values, then ``overrides`` (any ``StreamSettings`` field)."""
     return StreamSettings(**{**FAST, **overrides})
+
+
+def leaping_clock(step_s: float = 60.0) -> Callable[[], float]:
+    """A ``StreamConsumer`` clock that leaps ``step_s`` at every reading: each read of that consumer is past its
+    ``claim_interval_ms`` (the throttle between two reclaims), so each read reclaims what is idle."""
+    ticks = itertools.count()
+    return lambda: next(ticks) * step_s
 
 
 async def make_idle(consumer: StreamConsumer | ShardedConsumer, idle_ms: int = 3_600_000) -> int:

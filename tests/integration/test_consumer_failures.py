@@ -21,7 +21,7 @@ from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer
 from pipeline.transport.sharding import ShardedConsumer
 from schemas.build import synthetic_rollout, synthetic_scored
-from tests.streams import fast, make_idle
+from tests.streams import fast, leaping_clock, make_idle
 
 pytestmark = pytest.mark.redis
 
@@ -49,7 +49,7 @@ async def test_reclaimed_entries_are_released_when_the_read_after_them_fails(r: 
     await r.xadd(stream, {b"t": b"rollout", b"gid": b"g0", b"d": b"x"})
     [held] = await crashed.read(1)  # pending to a consumer that then dies
     assert await make_idle(crashed) == 1  # idle past claim_idle_ms
-    c = StreamConsumer(r, keys, "rollouts", "c", fast(claim_interval_ms=1))
+    c = StreamConsumer(r, keys, "rollouts", "c", fast(), clock=leaping_clock())
     c._own_cursor = None  # a fresh name: nothing of its own to re-read
     fail_once(r, "xreadgroup")  # the reclaim succeeds, the XREADGROUP after it fails
     with pytest.raises(RedisConnectionError):
@@ -61,7 +61,9 @@ async def test_reclaimed_entries_are_released_when_the_read_after_them_fails(r: 
 
 
 async def test_a_failing_shard_releases_what_the_others_gave(r: aioredis.Redis, keys: Keys) -> None:
-    c = ShardedConsumer(r, keys, "rollouts", "c", fast(claim_interval_ms=1), shards=[0, 1], total=2)
+    c = ShardedConsumer(r, keys, "rollouts", "c", fast(), shards=[0, 1], total=2)
+    for part in c.parts.values():
+        part._clock = leaping_clock()  # every read reclaims
     await c.ensure_group()
     for i in range(2):
         await r.xadd(keys.stream("rollouts", i, 2), {b"t": b"rollout", b"gid": f"g{i}".encode(), b"d": b"x"})

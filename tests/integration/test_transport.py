@@ -16,7 +16,7 @@ from pipeline.transport.keys import Keys
 from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer
 from schemas import DistillStatus, RolloutGroup, ScoredGroup, decode
 from schemas.build import synthetic_rollout
-from tests.streams import fast, make_idle
+from tests.streams import fast, leaping_clock, make_idle
 
 pytestmark = pytest.mark.redis
 
@@ -90,7 +90,7 @@ async def test_backpressure_timeout_is_clear(r: aioredis.Redis, keys: Keys) -> N
 
 
 async def test_reclaim_after_consumer_dies(r: aioredis.Redis, keys: Keys) -> None:
-    s = fast(claim_interval_ms=1)
+    s = fast()
     prod = StreamProducer(r, keys, "rollouts", s)
     dead = StreamConsumer(r, keys, "rollouts", "dead", s)
     await dead.ensure_group()
@@ -98,7 +98,7 @@ async def test_reclaim_after_consumer_dies(r: aioredis.Redis, keys: Keys) -> Non
         await prod.send(synthetic_rollout(1, 8, group_id=f"g{i}"))
     taken = await dead.read(3)  # the dead consumer never acks
     assert len(taken) == 3
-    live = StreamConsumer(r, keys, "rollouts", "live", s)
+    live = StreamConsumer(r, keys, "rollouts", "live", s, clock=leaping_clock())
     assert await live.read(3, block_ms=10) == []  # not idle long enough yet
     assert await make_idle(dead) == 3  # idle for an hour...
     await dead.touch()  # ...but a live owner renews its lease...
@@ -112,9 +112,9 @@ async def test_reclaim_after_consumer_dies(r: aioredis.Redis, keys: Keys) -> Non
 
 
 async def test_dead_letter_after_max_deliveries(r: aioredis.Redis, keys: Keys) -> None:
-    s = fast(max_deliveries=2, claim_interval_ms=1)
+    s = fast(max_deliveries=2)
     prod = StreamProducer(r, keys, "rollouts", s)
-    c = StreamConsumer(r, keys, "rollouts", "c", s)
+    c = StreamConsumer(r, keys, "rollouts", "c", s, clock=leaping_clock())
     await c.ensure_group()
     await prod.send(synthetic_rollout(1, 8, group_id="poison"))
     first = await c.read(1)  # delivery 1
