@@ -287,6 +287,7 @@ def test_teacher_pretraining_and_learner_step_raise_no_warning(tmp_path: Path) -
     assert all(isinstance(x, float) and np.isfinite(x) for x in (loss, pg, kd))
 
 
+@pytest.mark.slow
 def test_model_loading_progress_bars_stay_out_of_worker_output(keys: Keys, redis_url: str) -> None:
     from pipeline.models.tinymodels import ensure_tiny_models
 

@@ -51,6 +51,7 @@ def test_clear_namespace_deletes_its_keys_only(redis_url: str, keys: Keys) -> No
     assert other.prompt_record(0, "p1") in after  # the other's prompts stay
 
 
+@pytest.mark.slow
 def test_a_namespace_with_live_workers_is_refused(redis_url: str, keys: Keys, tmp_path: Path) -> None:
     async def beat() -> None:
         r = connect(RedisSettings(redis_url=redis_url))

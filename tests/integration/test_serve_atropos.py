@@ -521,6 +521,7 @@ def test_reset_clears_everything_including_groups_in_flight(stack: Stack) -> Non
     assert stack.post("/register-env", ENV).json()["env_id"] == 0
 
 
+@pytest.mark.slow
 def test_state_survives_a_server_restart(redis_url: str, keys: Keys, tmp_path: Path) -> None:
     """Registration, envs, step, buffers, the queue and leases live in Redis: a server killed with SIGKILL and
     started again (through its CLI) carries on."""

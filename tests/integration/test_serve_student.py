@@ -262,6 +262,7 @@ async def test_each_session_is_one_rollout_and_finished_groups_reach_redis(
         assert np.array_equal(seq.logprobs.numpy(), lps) and seq.score == reward
 
 
+@pytest.mark.slow
 async def test_real_vocabulary_and_thousands_of_tokens(
     producer: AsyncGroupProducer, r: aioredis.Redis, keys: Keys
 ) -> None:
@@ -589,6 +590,7 @@ async def test_the_vllm_client_is_closed_when_the_server_stops(
         await backend.models()
 
 
+@pytest.mark.slow
 def test_the_process_serves_on_loopback_and_stops_on_sigterm(redis_url: str, tmp_path: Path) -> None:
     with StudentProcess(redis_url, f"cli{uuid.uuid4().hex[:8]}", tmp_path) as proc:
         models = httpx.get(f"{proc.base_url}/models", timeout=30).json()

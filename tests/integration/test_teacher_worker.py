@@ -45,6 +45,7 @@ def atropos_line(tokens: list[int], prompt: int, overrides: object = None, gid: 
     return json.dumps(obj)
 
 
+@pytest.mark.slow
 def test_teacher_worker_end_to_end(tmp_path: Path, redis_url: str, keys: Keys, tiny: TinyModels) -> None:
     rng = np.random.default_rng(0)
     seqs = lambda lens: [rng.integers(5, 400, n).tolist() for n in lens]  # noqa: E731

@@ -21,7 +21,7 @@ from tests.redis_server import RedisServer
 from tests.reliability import mutations as mut
 from tests.reliability.harness import RecordingLearner, redis_client, report, wait_until
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(120)]
 
 BAD = 1000
 GOOD = 100

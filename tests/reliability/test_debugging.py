@@ -106,6 +106,7 @@ async def test_1_short_inference_logprobs_are_refused_by_push_and_the_sdk(
 # --- 2. the wrong namespace -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # every writing command, each a CLI process
 async def test_2_every_writing_command_names_the_namespace_and_an_unused_one_is_flagged(
     private_redis: RedisServer, namespace: str, tmp_path: Path
 ) -> None:

@@ -27,7 +27,7 @@ from schemas.build import synthetic_rollout
 from tests.redis_server import RedisServer
 from tests.reliability.harness import OPEN, Workers, fast_settings, redis_client, report, wait_until
 
-pytestmark = [pytest.mark.reliability, pytest.mark.redis, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(150)]
 
 
 class BareLearner:

@@ -76,6 +76,7 @@ def leaked(text: str, *secrets: str) -> list[str]:
     return [s for s in secrets for form in (s, urllib.parse.quote(s, safe="")) if form in text]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["requirepass_flag", "requirepass_env", "acl_user"])
 def test_authenticated_urls_work_and_passwords_never_reach_output(how: str, tmp_path: Path) -> None:
     ns = f"sec{os.urandom(3).hex()}"
@@ -127,6 +128,7 @@ def test_authenticated_urls_work_and_passwords_never_reach_output(how: str, tmp_
         assert denied is not None and "permission" in denied.lower()
 
 
+@pytest.mark.slow
 def test_tls_rediss_url(tmp_path: Path) -> None:
     ca, cert, key = make_certs(tmp_path)
     server = TLSRedis(ca=ca, cert=cert, key=key)
