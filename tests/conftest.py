@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import os
+import shlex
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import pytest
 import redis.asyncio as aioredis
@@ -16,9 +17,6 @@ from tests.redis_server import RedisServer
 OWN_MODULES = r"(schemas|pipeline|workers|bench|tests)(\..*)?$"
 
 
-#: The commands of the two test tiers (README's test command runs the first; CI runs both).
-FAST_TIER = "python -m pytest"
-SLOW_TIER = "python -m pytest -m slow"
 #: How many tests carrying the ``slow`` marker this run's ``-m`` expression left out (``pytest_deselected``).
 _slow_left_out: list[int] = [0]
 
@@ -27,18 +25,39 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
     _slow_left_out[0] += sum(1 for item in items if item.get_closest_marker("slow") is not None)
 
 
+def slow_tier_command(args: Sequence[str]) -> str:
+    """The command that runs the slow tests a run with these command-line ``args`` left out: the same arguments
+    with ``-m slow`` in place of any ``-m`` (``python -m pytest -m slow`` for the plain ``python -m pytest``)."""
+    kept: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "-m":
+            skip = True
+        elif not a.startswith("-m"):
+            kept.append(a)
+    return shlex.join(["python", "-m", "pytest", "-m", "slow", *kept])
+
+
+@pytest.hookimpl(trylast=True)  # after the durations: the last lines before the counts
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """At the end of every run: how many slow tests it left out and the command that runs them (the default
-    ``-m "not slow"`` of pyproject.toml's addopts leaves out the end-to-end tier; a ``-m`` given on the command
-    line replaces it: ``-m slow`` runs that tier alone, ``-m ""`` both)."""
+    """At the end of every run: how many slow tests it left out and the command that runs them. The default run
+    (pyproject.toml's addopts: ``-m "not slow"``) is the fast tier; a ``-m`` on the command line replaces that one:
+    ``python -m pytest -m slow`` runs the slow (end-to-end) tier, ``-m ""`` both."""
     left_out = _slow_left_out[0]
     terminalreporter.section("test tiers")
-    if left_out:
+    expression = terminalreporter.config.option.markexpr
+    if left_out and expression == "not slow":
+        command = slow_tier_command(terminalreporter.config.invocation_params.args)
         terminalreporter.write_line(f"{left_out} slow tests left out of this run (the end-to-end tier); "
-                                    f"run them with: {SLOW_TIER}")
+                                    f"run them with: {command}")
+    elif left_out:
+        terminalreporter.write_line(f"{left_out} slow tests left out by -m {expression!r}; "
+                                    "the slow tier alone: python -m pytest -m slow")
     else:
-        terminalreporter.write_line(f"no slow test left out; the fast tier alone: {FAST_TIER}; "
-                                    f"the slow tier alone: {SLOW_TIER}")
+        terminalreporter.write_line("no slow test left out of this run; the fast tier alone: python -m pytest; "
+                                    "the slow tier alone: python -m pytest -m slow")
 
 
 def pytest_configure(config: pytest.Config) -> None:
