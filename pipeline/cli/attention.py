@@ -4,7 +4,9 @@
 In order: the namespace has no keys; recent incidents (faults from outside distillq that a worker recorded);
 Redis memory near or at ``maxmemory``, or an evicting policy; a full stream; a stage stream with entries and
 no live worker of the stage that reads it; entries delivered more than once (rollout jobs retrying) and
-rollout dead letters; a learner holding unacknowledged batches longer than ``hold_warn_s``; what workers
+rollout dead letters; learner ranks missing (a rank heartbeats a world size and another rank below it has no
+heartbeat) and a learner rank holding a batch longer than ``hold_warn_s`` (from its heartbeat; from the oldest
+pending batch when no heartbeat of its consumer is live); what workers
 report (a failing or slow backend, invalid teacher values, teacher and feeder drops, clamped k); feeders
 that disagree on a setting; a worker clock off Redis's by more than ``MAX_SKEW_S``; consumers holding
 entries without a live heartbeat; dead letters.
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Final
 
 from pipeline.cli.streamstats import GroupStats, Snapshot, StreamStats, WorkerStats
+from pipeline.learner.health import RankBeat, missing_ranks
 from pipeline.stages.liveness import MAX_SKEW_S, skew_note
 from pipeline.transport.keys import CONSUMER_GROUPS
 
@@ -22,7 +25,8 @@ from pipeline.transport.keys import CONSUMER_GROUPS
 MEMORY_WARN: Final = 0.9
 #: Incidents listed (newest first); the rest are counted.
 INCIDENTS_SHOWN: Final = 5
-#: Consumer groups whose readers write no heartbeat: one counts as live while it reads or renews leases.
+#: Consumer groups whose readers write no worker heartbeat: the learner's write their own (``Snapshot.learners``);
+#: without one, a consumer counts as live while it reads or renews leases.
 UNBEATING: Final = frozenset({"learner"})
 
 
@@ -55,7 +59,7 @@ def attention(snap: Snapshot) -> list[str]:
         if s.full and ":" not in s.name:  # a sharded stream: its total row
             out.append(f"{s.name} is full ({s.length} entries, cap {snap.max_backlog} per stream key): its producers "
                        "wait (backpressure_wait, downstream_full, learner_stalled in their logs)")
-    out += unread_notes(snap) + redelivery_notes(snap) + learner_hold_notes(snap)
+    out += unread_notes(snap) + redelivery_notes(snap) + learner_rank_notes(snap) + learner_hold_notes(snap)
     out += worker_notes(snap) + feeder_settings_notes(snap) + clock_notes(snap) + orphan_notes(snap)
     if snap.dead_letters:
         by_stage = f" (newest by stage: {counts(snap.dead_letters_by_stage)})" if snap.dead_letters_by_stage else ""
@@ -105,10 +109,12 @@ def _seen_s(g: GroupStats | None) -> float | None:
 
 def live_readers(snap: Snapshot, s: StreamStats, stage: str) -> bool:
     """A live worker reads ``s``: a heartbeat of ``stage`` or of one of its group's consumers (``serve
-    atropos`` reads ``scored`` in the feeder group); for a stage without heartbeats (the learner), a consumer
+    atropos`` reads ``scored`` in the feeder group); for the learner, a learner rank heartbeat, or a consumer
     that read or renewed a lease within the claim idle time."""
     g = _group(s, stage)
     if stage in UNBEATING:
+        if snap.learners:
+            return True
         seen = _seen_s(g)
         return seen is not None and seen < snap.claim_idle_s
     names = {c.name for c in g.consumer_list} if g is not None else set()
@@ -124,8 +130,7 @@ def unread_notes(snap: Snapshot) -> list[str]:
         if stage in UNBEATING:
             seen = _seen_s(_group(s, stage))
             line += (" (no consumer in its group)" if seen is None else
-                     f" (its group's consumers last read or renewed a lease {secs(seen)} ago; the {stage} writes no "
-                     "heartbeat)")
+                     f" (its group's consumers last read or renewed a lease {secs(seen)} ago; no {stage} heartbeat)")
         else:
             line += f": start one (distillq worker {stage})"
         out.append(line)
@@ -149,14 +154,39 @@ def redelivery_notes(snap: Snapshot) -> list[str]:
     return out
 
 
+def _rank_name(b: RankBeat) -> str:
+    rank = f" rank {b.rank} of {b.world_size}" if b.world_size > 1 else ""
+    return f"learner {b.consumer}{rank} (host {b.host}, pid {b.pid})"
+
+
+def learner_rank_notes(snap: Snapshot) -> list[str]:
+    """From the learner ranks' heartbeats: ranks missing, and ranks holding a batch longer than ``hold_warn_s``
+    (the time since the batch was handed to the rank, aged on the Redis clock)."""
+    out: list[str] = []
+    for consumer, (world, gone) in missing_ranks(snap.learners).items():
+        which = ", ".join(str(r) for r in gone)
+        out.append(f"learner {consumer}: rank(s) {which} of {world} missing (no heartbeat): the process is gone, not "
+                   "started yet, or its event loop is blocked; the other ranks wait for it (learner_ranks_waiting "
+                   "in their logs)")
+    for b in snap.learners:
+        if b.held and b.held_s is not None and b.held_s > snap.hold_warn_s:
+            out.append(f"{_rank_name(b)} has held a batch for {secs(b.held_s)} without acknowledging it ({b.held} "
+                       f"held; over {snap.hold_warn_s:.0f} s, --hold-warn): a long step, an evaluation or a "
+                       "checkpoint, or a stuck rank")
+    return out
+
+
 def learner_hold_notes(snap: Snapshot) -> list[str]:
     """Batches pending to the learner whose entry is older than ``hold_warn_s`` (an entry is pending from its
     delivery on, so this bounds the hold from above; a learner renews its leases, so the idle time does not
-    tell how long it holds a batch, only whether it still renews)."""
+    tell how long it holds a batch, only whether it still renews). When the consumer holding the oldest one
+    has a live rank heartbeat, ``learner_rank_notes`` tells the hold exactly and this says nothing."""
     s = snap.streams.get("batches")
     g = _group(s, CONSUMER_GROUPS["batches"]) if s is not None else None
     age = g.oldest_pending_age_s if g is not None else None
     if g is None or not g.pending or age is None or age <= snap.hold_warn_s:
+        return []
+    if any(b.consumer == g.oldest_pending_consumer for b in snap.learners):
         return []
     line = (f"learner {g.oldest_pending_consumer or '?'} holds {g.pending} batch(es) unacknowledged, the oldest "
             f"written {secs(age)} ago (over {snap.hold_warn_s:.0f} s, --hold-warn): a long step, an evaluation or "

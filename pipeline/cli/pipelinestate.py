@@ -1,6 +1,7 @@
-"""The pipeline state ``distillq stats`` shows beside the streams: the policy version, the backlog cap and which
-streams are full, the rollout job queue, consumers holding entries without a live heartbeat (when those
-entries become reclaimable), Redis's memory, the dead letters by stage and the recent incidents. Reads only.
+"""The pipeline state ``distillq stats`` shows beside the streams: the policy version, the learner ranks (their
+heartbeats, ``pipeline.learner.health``), the backlog cap and which streams are full, the rollout job queue,
+consumers holding entries without a live heartbeat (when those entries become reclaimable), Redis's memory, the
+dead letters by stage and the recent incidents. Reads only.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from redis.exceptions import RedisError, ResponseError
 from pipeline.cli.namespaces import absent_note
 from pipeline.cli.streamstats import IncidentStats, RedisMemory, Snapshot, collect
 from pipeline.config import StreamSettings
+from pipeline.learner.health import read_rank_beats
 from pipeline.transport import incidents
 from pipeline.transport.keys import Keys
 
-#: Consumer groups whose readers write a heartbeat (the learner client writes none).
+#: Consumer groups whose readers write a worker heartbeat (the learner client writes its own, per rank).
 BEATING_GROUPS = ("teacher", "feeder", "rollout")
 _PENDING_SAMPLE = 100  # pending entries read per consumer without a heartbeat, to find the most idle
 #: Newest dead letters read to count them by stage.
@@ -79,6 +81,7 @@ async def add_pipeline_state(redis: aioredis.Redis, keys: Keys, snap: Snapshot) 
     with contextlib.suppress(ValueError, TypeError):
         snap.policy_version = None if raw is None else int(raw)
     snap.rollout_jobs = await _rollout_jobs(redis, keys, snap)
+    snap.learners = await read_rank_beats(redis, keys)
     for s in snap.streams.values():
         s.full = s.name != "dlq" and not s.key.startswith("(") and s.length >= settings.max_backlog
     for name, s in snap.streams.items():  # a sharded total is full when any shard is

@@ -1,6 +1,7 @@
 """Numbers behind ``distillq stats``: one snapshot of every stage stream, its consumer group and workers.
 
-``collect`` reads Redis (XINFO, XPENDING, MEMORY USAGE, heartbeat keys); everything else is pure.
+``collect`` reads Redis (XINFO, XPENDING, MEMORY USAGE, heartbeat keys; ``pipelinestate`` adds the learner
+ranks' heartbeats); everything else is pure.
 Times come from the Redis server clock (stream ids use it too), so client clock skew does not matter;
 heartbeat ages too (``pipeline.stages.liveness``), which also measures each worker's clock skew.
 
@@ -20,6 +21,7 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from pipeline.learner.health import RankBeat
 from pipeline.stages import liveness
 from pipeline.stages.liveness import Beat, read_beats
 from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys
@@ -132,6 +134,7 @@ class Snapshot:
     incidents: list[IncidentStats] = field(default_factory=list)  # recent, newest first
     claim_idle_s: float = 60.0  # this command's DISTILLQ_CLAIM_IDLE_MS, in seconds
     hold_warn_s: float = 300.0  # a learner holding a batch longer than this is named (``--hold-warn``)
+    learners: list[RankBeat] = field(default_factory=list)  # learner rank heartbeats (``pipeline.learner.health``)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

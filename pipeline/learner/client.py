@@ -22,11 +22,15 @@ default the next batch is read in the background while the caller trains on the 
 Staleness is checked when a batch is handed out: a group sampled more than ``max_staleness`` versions
 before the current policy version (the feeder's bound, stamped on the batch, unless the learner names
 its own) is dead-lettered (``stale: ...``) or, with ``on_stale="deliver"``, handed out and counted; the
-batch's stats give the staleness at delivery (``pipeline.learner.parts``). The leases of the batches
+batch's stats give the staleness at delivery of the groups handed to this process (with ranks, this rank's
+part; ``pipeline.learner.parts``). The leases of the batches
 handed out and not yet acknowledged are renewed in the background, so a long step keeps its batch.
 
 With ``world_size > 1`` the client is one of ``world_size`` learner ranks that share each batch
 (``pipeline.learner.ranks``): each gets its part, and the batch is acknowledged once all have acked it.
+
+Every client (each rank) writes a heartbeat from its first read until it closes: step, batches held, versions,
+the age of its last ack (``pipeline.learner.health``); ``distillq stats`` lists the ranks from it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import asyncio
 import contextlib
 import functools
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -49,6 +53,7 @@ from pipeline.backoff import Backoff
 from pipeline.config import StreamSettings, redis_settings
 from pipeline.learner.batch import LearnerBatch, _Raw
 from pipeline.learner.checks import check_reachable, namespace_hint
+from pipeline.learner.health import LearnerHeartbeat, LearnerProgress
 from pipeline.learner.parts import (
     FEEDER,
     StalenessBound,
@@ -119,6 +124,10 @@ class AsyncLearner:
         self._ahead: asyncio.Task[_Raw | None] | None = None
         self._lease: asyncio.Task[None] | None = None
         self._hinted = False
+        self.progress = LearnerProgress()
+        self._heartbeat = LearnerHeartbeat(self.redis, self.keys, consumer_name, rank, world_size,
+                                           self.settings.heartbeat_interval_s, self.progress)
+        self._beating: asyncio.Task[None] | None = None
 
     async def check(self) -> None:
         """Raise ``LearnerConnectionError`` (one line) unless Redis answers."""
@@ -132,6 +141,8 @@ class AsyncLearner:
         # Renew the leases of batches handed out and not acked: a step longer than the reclaim idle time
         # keeps its batch (as the workers do with their in-flight entries).
         self._lease = asyncio.ensure_future(renew_leases(self.consumer, self.settings.claim_idle_ms, "learner"))
+        # The rank's heartbeat (best effort: a failed beat is counted and logged, never raised).
+        self._beating = asyncio.ensure_future(self._heartbeat.run())
         self._ready = True
 
     async def _hint(self) -> None:
@@ -313,6 +324,7 @@ class AsyncLearner:
         return self._batch(d, materialize(msgspec.structs.replace(m, stats=stats), groups), keys, raw.generation)
 
     def _batch(self, d: Delivery, b: TrainBatch, keys: tuple[str, ...], generation: int) -> LearnerBatch:
+        self.progress.handed(d.entry_id, (b.stats or {}).get("delivered_version"))
         return LearnerBatch(d.entry_id, b, d.reclaimed, d, keys, self.rank, self.world_size, generation)
 
     @staticmethod
@@ -352,10 +364,12 @@ class AsyncLearner:
         if self._ranks is None:  # safe to repeat: XACK and XDEL by entry id, DEL of its payloads
             await retry_transient(lambda: self.consumer.ack([batch.delivery], then_delete=batch.payload_keys),
                                   redis=self.redis)
+            self.progress.acked(batch.entry_id, True)
             return True
         ranks = self._ranks  # a repeat after a lost reply is answered as refused or counted: never a double ack
         res = await retry_transient(lambda: ranks.ack(batch.entry_id, batch.generation), redis=self.redis)
         self.consumer.owned.discard(batch.entry_id)
+        self.progress.acked(batch.entry_id, res > 0)
         if res == 2 and batch.payload_keys:
             await retry_transient(lambda: self.redis.delete(*batch.payload_keys), redis=self.redis)
         if res == 2:
@@ -365,19 +379,23 @@ class AsyncLearner:
     async def publish_policy_version(self, version: int) -> None:
         """Set the policy version (retried while Redis is away or full: a SET is safe to repeat)."""
         await retry_transient(lambda: self.redis.set(self.keys.policy_version, int(version)), redis=self.redis)
+        self.progress.published_version = int(version)
 
     async def policy_version(self) -> int:
         raw = await retry_transient(lambda: self.redis.get(self.keys.policy_version), redis=self.redis)
         return int(raw) if raw is not None else 0
 
     async def aclose(self) -> None:
-        """Stop prefetching (a batch it already read stays pending and comes back) and close."""
-        for task in (self._ahead, self._lease):
+        """Stop prefetching (a batch it already read stays pending and comes back), delete the heartbeat
+        (best effort) and close."""
+        for task in (self._ahead, self._lease, self._beating):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        self._ahead = self._lease = None
+        if self._beating is not None:
+            await self._heartbeat.clear()
+        self._ahead = self._lease = self._beating = None
         if self._own:
             await self.redis.aclose()
 
@@ -404,12 +422,32 @@ class Learner:
     """Synchronous learner client: an ``AsyncLearner`` on an event loop in a background thread, so the
     next batch is fetched and validated while the caller's optimiser step runs."""
 
-    def __init__(self, redis_url: str | None = None, **kwargs: object) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        namespace: str | None = None,
+        consumer_name: str = "learner-0",
+        settings: StreamSettings | None = None,
+        redis: aioredis.Redis | None = None,
+        limits: Limits | None = None,
+        prefetch: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        max_staleness: StalenessBound = FEEDER,
+        on_stale: Literal["dead_letter", "deliver"] = "dead_letter",
+    ) -> None:
+        """The arguments of ``AsyncLearner``, with the same defaults. Raises ``LearnerConnectionError`` (one line)
+        unless Redis answers."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="distillq-learner", daemon=True)
         self._thread.start()
+        make = functools.partial(
+            AsyncLearner, redis_url, namespace=namespace, consumer_name=consumer_name, settings=settings, redis=redis,
+            limits=limits, prefetch=prefetch, rank=rank, world_size=world_size, max_staleness=max_staleness,
+            on_stale=on_stale)
         try:
-            self._client: AsyncLearner = self._call(_make(redis_url, kwargs))
+            self._client: AsyncLearner = self._call(_make(make))
             self._call(self._client.check())  # one line (LearnerConnectionError) when Redis is unreachable
         except BaseException:
             if hasattr(self, "_client"):
@@ -474,5 +512,6 @@ class Learner:
         return publish_weights(model, version, directory, keep, publish=self.publish_policy_version, **kwargs)
 
 
-async def _make(redis_url: str | None, kwargs: dict[str, object]) -> AsyncLearner:
-    return AsyncLearner(redis_url, **kwargs)  # type: ignore[arg-type]
+async def _make(make: Callable[[], AsyncLearner]) -> AsyncLearner:
+    """Build the client on its loop (its Redis connection belongs to that loop)."""
+    return make()

@@ -22,6 +22,8 @@ key                                                type          written by / me
                                                                  client when it acks the batch holding the group
 ``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
 ``ns:policy_version``                              string        learner: current policy version (int)
+``ns:learner_health:<consumer>:<rank>``            string (TTL)  learner rank heartbeat (JSON: step, held batches,
+                                                                 versions; ``pipeline.learner.health``), for ``stats``
 ``{ns:batches}:ranks``                             hash          learner ranks: world size, generation, the batch
                                                                  entry all ranks work on, its delivery version
 ``{ns:batches}:ranks:joined``                      hash          learner ranks: rank -> process token (this gen)
@@ -205,6 +207,10 @@ class Keys:
     @property
     def policy_version(self) -> str:
         return f"{self.namespace}:policy_version"
+
+    def learner_health(self, consumer: str = "*", rank: int | str = "*") -> str:
+        """A learner rank's heartbeat (``pipeline.learner.health``); the defaults give the pattern of all of them."""
+        return f"{self.namespace}:learner_health:{consumer}:{rank}"
 
     def learner_ranks(self, part: str = "") -> str:
         """Coordination of learner ranks (``pipeline.learner.ranks``): the state hash, or one of its parts

@@ -1,4 +1,5 @@
-"""``distillq stats``: backlog, consumer groups, pending work, dead letters, throughput and live workers."""
+"""``distillq stats``: backlog, consumer groups, pending work, dead letters, throughput, live workers and learner
+ranks."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from pipeline.transport.keys import STREAMS, Keys
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(sub, "stats", "stream lengths, consumer groups, lag, dead letters, throughput, workers",
                     "Show, per stream, its length, memory and added/s, and for its consumer group the lag, pending "
-                    "entries, oldest pending age and read/s; then consumers, live workers and the dead-letter count. "
+                    "entries, oldest pending age and read/s; then consumers, live workers, learner ranks and the "
+                    "dead-letter count. "
                     "On a terminal --watch redraws in place; in a file or pipe each refresh is printed in turn.")
     p.add_argument("streams", nargs="*", type=stream_name, metavar="STREAM",
                    help=f"streams to show (default: all of {', '.join(STREAMS)})")
@@ -96,12 +98,30 @@ def worker_table(snap: Snapshot) -> Table:
     return t
 
 
+def _opt(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+def learner_table(snap: Snapshot) -> Table:
+    """One row per learner rank heartbeat (``pipeline.learner.health``); ages on the Redis clock."""
+    t = Table(title=f"learner ranks: {len(snap.learners)}", title_justify="left")
+    for col in ("consumer", "rank", "host", "pid", "step", "held", "held for", "last ack", "published",
+                "delivered version", "heartbeat age"):
+        t.add_column(col, justify="left" if col in ("consumer", "rank", "host") else "right")
+    for b in snap.learners:
+        t.add_row(b.consumer, f"{b.rank} of {b.world_size}", b.host, str(b.pid), str(b.step), str(b.held),
+                  secs(b.held_s), "never" if b.last_ack_s is None else f"{secs(b.last_ack_s)} ago",
+                  _opt(b.published_version), _opt(b.delivered_version), secs(b.age_s))
+    return t
+
+
 def render(snap: Snapshot) -> Group:
     parts: list[Table | str] = [stream_table(snap)]
     consumers = consumer_table(snap)
     if consumers is not None:
         parts.append(consumers)
     parts.append(worker_table(snap))
+    parts.append(learner_table(snap))
     color = "red" if snap.dead_letters else "green"
     version = "never set" if snap.policy_version is None else str(snap.policy_version)
     jobs = "?" if snap.rollout_jobs is None else str(snap.rollout_jobs)
