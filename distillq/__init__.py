@@ -12,6 +12,10 @@ the losses                                       ``pipeline.learner.losses``
                                                  is ``chunked.topk_forward_kl``: the same losses from hidden
                                                  states and the lm_head)
 ``publish_weights``                              ``pipeline.learner.publish``
+``save_checkpoint``, ``load_checkpoint``,        ``pipeline.learner.checkpoint``
+``Checkpoint``
+``LearnerDataset``                               ``pipeline.learner.data`` (a torch ``IterableDataset``)
+``DistillTrainer``                               ``pipeline.learner.hf_trainer`` (a transformers ``Trainer``)
 ``GroupProducer``, ``AsyncGroupProducer``        ``pipeline.transport.sdk``
 ``groups_from_traces``                           ``pipeline.serve.student`` (verifiers' records as groups)
 the wire messages, ``encode``, ``decode``        ``schemas``
@@ -19,8 +23,8 @@ the exceptions: ``DistillqError``, its families  ``pipeline.errors`` (the famili
 and every class under them                       module that raises it, table in ``pipeline.errors``)
 =============================================  ======================================================
 
-Torch is needed only by ``to_torch``, ``TorchBatch`` and the losses: they load on first use, so
-``import distillq`` works without it.
+Torch is needed only by ``to_torch``, ``TorchBatch``, the losses and ``LearnerDataset``, transformers only by
+``DistillTrainer``: they load on first use, so ``import distillq`` works without either.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pipeline.errors import (
     WireFormatError,
 )
 from pipeline.learner.batch import LearnerBatch
+from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from pipeline.learner.checks import LearnerConnectionError
 from pipeline.learner.client import AsyncLearner, Learner
 from pipeline.learner.publish import publish_weights
@@ -84,6 +89,8 @@ if TYPE_CHECKING:
     from pipeline.learner.chunked import importance_sampled_pg_loss as chunked_importance_sampled_pg_loss
     from pipeline.learner.chunked import token_logprobs as chunked_token_logprobs
     from pipeline.learner.chunked import topk_forward_kl as chunked_topk_forward_kl
+    from pipeline.learner.data import LearnerDataset
+    from pipeline.learner.hf_trainer import DistillTrainer
     from pipeline.learner.losses import (
         full_vocab_kl,
         generalized_jsd,
@@ -98,8 +105,11 @@ if TYPE_CHECKING:
     )
     from pipeline.learner.torch_batch import TorchBatch, to_torch
 
-#: The names that need torch: name -> (module, attribute), imported on first use.
+#: The names that need torch (``DistillTrainer``: transformers too): name -> (module, attribute), imported on
+#: first use.
 _TORCH: dict[str, tuple[str, str]] = {
+    "LearnerDataset": ("pipeline.learner.data", "LearnerDataset"),
+    "DistillTrainer": ("pipeline.learner.hf_trainer", "DistillTrainer"),
     "TorchBatch": ("pipeline.learner.torch_batch", "TorchBatch"),
     "to_torch": ("pipeline.learner.torch_batch", "to_torch"),
     **{name: ("pipeline.learner.losses", name) for name in (
@@ -131,12 +141,14 @@ __all__ = [
     "BadPrompt",
     "BatchManifest",
     "BodyProblem",
+    "Checkpoint",
     "CheckpointError",
     "CliError",
     "ClusterUnreachableError",
     "ConfigurationError",
     "DecodeError",
     "DistillStatus",
+    "DistillTrainer",
     "DistillqError",
     "EngineError",
     "GroupHeader",
@@ -147,6 +159,7 @@ __all__ = [
     "Learner",
     "LearnerBatch",
     "LearnerConnectionError",
+    "LearnerDataset",
     "LearnerError",
     "Limits",
     "Message",
@@ -180,10 +193,12 @@ __all__ = [
     "generalized_jsd_from_logprobs",
     "groups_from_traces",
     "importance_sampled_pg_loss",
+    "load_checkpoint",
     "publish_weights",
     "reduce_masked",
     "reverse_kl_advantages",
     "sampled_reverse_kl",
+    "save_checkpoint",
     "to_torch",
     "token_logprobs",
     "topk_forward_kl",
