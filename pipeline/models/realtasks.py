@@ -35,6 +35,16 @@ CAPITALS = {
     "Switzerland": "Bern", "Romania": "Bucharest", "Bulgaria": "Sofia", "Serbia": "Belgrade",
     "Saudi Arabia": "Riyadh", "Afghanistan": "Kabul", "Pakistan": "Islamabad", "Nigeria": "Abuja",
     "Ethiopia": "Addis Ababa", "Morocco": "Rabat", "Brazil": "Brasilia", "Iceland": "Reykjavik",
+    "Scotland": "Edinburgh", "Wales": "Cardiff", "Jordan": "Amman", "Lebanon": "Beirut", "Syria": "Damascus",
+    "Qatar": "Doha", "Nepal": "Kathmandu", "Bangladesh": "Dhaka", "Malaysia": "Kuala Lumpur",
+    "New Zealand": "Wellington", "Ghana": "Accra", "Senegal": "Dakar", "Uganda": "Kampala", "Algeria": "Algiers",
+    "Tunisia": "Tunis", "Libya": "Tripoli", "Sudan": "Khartoum", "Ecuador": "Quito", "Uruguay": "Montevideo",
+    "Paraguay": "Asuncion", "Jamaica": "Kingston", "Panama": "Panama City", "Croatia": "Zagreb",
+    "Slovakia": "Bratislava", "Slovenia": "Ljubljana", "Estonia": "Tallinn", "Latvia": "Riga", "Lithuania": "Vilnius",
+    "Belarus": "Minsk", "Armenia": "Yerevan", "Mongolia": "Ulaanbaatar", "North Korea": "Pyongyang",
+    "Taiwan": "Taipei", "Albania": "Tirana", "Cyprus": "Nicosia", "Malta": "Valletta", "Zimbabwe": "Harare",
+    "Angola": "Luanda", "Somalia": "Mogadishu", "Kuwait": "Kuwait City", "Oman": "Muscat", "Yemen": "Sanaa",
+    "Cambodia": "Phnom Penh", "Laos": "Vientiane",
 }
 OPPOSITES = {
     "hot": "cold", "big": "small", "up": "down", "fast": "slow", "happy": "sad", "light": "dark",
@@ -45,6 +55,14 @@ OPPOSITES = {
     "inside": "outside", "push": "pull", "start": "finish", "buy": "sell", "alive": "dead", "first": "last",
     "above": "below", "before": "after", "give": "take", "top": "bottom", "front": "back", "north": "south",
     "east": "west", "summer": "winter", "boy": "girl", "man": "woman", "king": "queen", "friend": "enemy",
+    "cold": "hot", "small": "big", "slow": "fast", "sad": "happy", "dark": "light", "dry": "wet", "soft": "hard",
+    "empty": "full", "bad": "good", "low": "high", "down": "up", "wrong": "right", "false": "true", "awake": "asleep",
+    "smooth": "rough", "sweet": "sour", "wide": "narrow", "deep": "shallow", "laugh": "cry", "always": "never",
+    "everything": "nothing", "question": "answer", "remember": "forget", "increase": "decrease",
+    "maximum": "minimum", "under": "over", "safe": "dangerous", "possible": "impossible", "visible": "invisible",
+    "polite": "rude", "ancient": "modern", "sunrise": "sunset", "entrance": "exit", "floor": "ceiling",
+    "odd": "even", "winter": "summer", "south": "north", "west": "east", "day": "night", "girl": "boy",
+    "queen": "king", "enemy": "friend", "poor": "rich", "weak": "strong", "dead": "alive", "last": "first",
 }
 PLURALS = {
     "child": "children", "mouse": "mice", "man": "men", "woman": "women", "foot": "feet", "tooth": "teeth",
@@ -54,6 +72,13 @@ PLURALS = {
     "party": "parties", "story": "stories", "potato": "potatoes", "hero": "heroes", "sheep": "sheep",
     "fish": "fish", "ox": "oxen", "wife": "wives", "life": "lives", "half": "halves", "bird": "birds",
     "girl": "girls", "boy": "boys", "day": "days", "key": "keys", "toy": "toys",
+    "horse": "horses", "cow": "cows", "pen": "pens", "cup": "cups", "hat": "hats", "bag": "bags", "chair": "chairs",
+    "table": "tables", "flower": "flowers", "river": "rivers", "star": "stars", "shoe": "shoes", "glass": "glasses",
+    "class": "classes", "kiss": "kisses", "watch": "watches", "fox": "foxes", "wish": "wishes", "brush": "brushes",
+    "lady": "ladies", "country": "countries", "family": "families", "cherry": "cherries", "puppy": "puppies",
+    "monkey": "monkeys", "tomato": "tomatoes", "echo": "echoes", "piano": "pianos", "photo": "photos", "zoo": "zoos",
+    "shelf": "shelves", "loaf": "loaves", "thief": "thieves", "calf": "calves", "deer": "deer", "friend": "friends",
+    "egg": "eggs", "window": "windows", "door": "doors", "ball": "balls", "bed": "beds", "pencil": "pencils",
 }
 PAST = {
     "go": "went", "eat": "ate", "see": "saw", "run": "ran", "swim": "swam", "write": "wrote", "take": "took",
@@ -63,6 +88,15 @@ PAST = {
     "tell": "told", "sell": "sold", "find": "found", "stand": "stood", "sit": "sat", "sleep": "slept",
     "keep": "kept", "leave": "left", "feel": "felt", "meet": "met", "pay": "paid", "win": "won", "begin": "began",
     "walk": "walked", "play": "played", "jump": "jumped", "talk": "talked", "cook": "cooked", "dance": "danced",
+    "ride": "rode", "rise": "rose", "wake": "woke", "wear": "wore", "tear": "tore", "steal": "stole",
+    "freeze": "froze", "hide": "hid", "bite": "bit", "blow": "blew", "grow": "grew", "know": "knew",
+    "throw": "threw", "draw": "drew", "fall": "fell", "hold": "held", "hear": "heard", "lose": "lost", "send": "sent",
+    "spend": "spent", "build": "built", "lend": "lent", "bend": "bent", "feed": "fed", "lead": "led",
+    "fight": "fought", "ring": "rang", "shake": "shook", "forgive": "forgave", "understand": "understood",
+    "become": "became", "dig": "dug", "hang": "hung", "shoot": "shot", "sting": "stung", "swing": "swung",
+    "mean": "meant", "sweep": "swept", "weep": "wept", "do": "did", "have": "had", "open": "opened",
+    "close": "closed", "laugh": "laughed", "cry": "cried", "carry": "carried", "stop": "stopped", "want": "wanted",
+    "help": "helped", "look": "looked", "smile": "smiled", "live": "lived", "try": "tried", "study": "studied",
 }
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
@@ -72,15 +106,30 @@ COLOURS = {
     "a ripe tomato": "red", "an orange": "orange", "milk": "white", "a lemon": "yellow", "a strawberry": "red",
     "a carrot": "orange", "a leaf in summer": "green", "the sea": "blue", "blood": "red", "chocolate": "brown",
     "a polar bear": "white", "a crow": "black", "a fire truck": "red", "a lime": "green", "the sun": "yellow",
+    "a cucumber": "green", "an eggplant": "purple", "a pumpkin": "orange", "a flamingo": "pink", "a raven": "black",
+    "a cherry": "red", "a ruby": "red", "an emerald": "green", "a sapphire": "blue", "a blueberry": "blue",
+    "ivory": "white", "charcoal": "black", "a canary": "yellow", "butter": "yellow", "a school bus": "yellow",
+    "a stop sign": "red", "a swan": "white", "an elephant": "grey", "a panther": "black", "broccoli": "green",
+    "cinnamon": "brown", "coffee": "brown", "a pea": "green", "a plum": "purple", "sugar": "white", "salt": "white",
+    "the night sky": "black", "a koala": "grey", "a pine tree": "green", "a sunflower": "yellow",
+    "an avocado": "green", "a cloud": "white", "a fox": "orange", "a lavender flower": "purple", "a pig": "pink",
 }
 SOUNDS = {
     "a cow": "moo", "a dog": "woof", "a cat": "meow", "a duck": "quack", "a sheep": "baa", "a lion": "roar",
     "a snake": "hiss", "a bee": "buzz", "an owl": "hoot", "a pig": "oink", "a horse": "neigh", "a frog": "croak",
+    "a chicken": "cluck", "a mouse": "squeak", "a wolf": "howl", "a donkey": "hee-haw", "a goat": "baa",
+    "a turkey": "gobble", "an elephant": "trumpet", "a crow": "caw", "a dove": "coo", "a bear": "growl",
+    "a bird": "tweet", "a cricket": "chirp", "a mosquito": "buzz", "a tiger": "roar", "a chick": "cheep",
+    "a rooster": "cock-a-doodle-doo",
 }
 ALSO = {"Washington": ["Washington, D.C."], "Kyiv": ["Kiev"], "Bogota": ["Bogotá"], "Brasilia": ["Brasília"],
         "woof": ["bark", "barks"], "meow": ["purr"], "finish": ["end", "stop"], "closed": ["shut", "close"],
         "quiet": ["soft", "silent"], "short": ["small"], "take": ["receive"], "lose": ["loss"],
-        "late": ["later"], "dead": ["died"], "hate": ["hatred"], "baa": ["bleat"], "neigh": ["whinny"]}
+        "late": ["later"], "dead": ["died"], "hate": ["hatred"], "baa": ["bleat"], "neigh": ["whinny"],
+        "Asuncion": ["Asunción"], "Sanaa": ["Sana'a"], "Ulaanbaatar": ["Ulan Bator"], "grey": ["gray"],
+        "hee-haw": ["bray"], "cluck": ["cackle"], "tweet": ["chirp", "sing"], "cheep": ["peep", "chirp"],
+        "growl": ["roar"], "big": ["large"], "asleep": ["sleeping"], "rough": ["coarse"],
+        "over": ["above"], "dangerous": ["unsafe"], "rude": ["impolite"], "modern": ["new"]}
 
 
 def _items() -> Iterator[tuple[str, str, str]]:
