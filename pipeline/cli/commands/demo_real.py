@@ -33,12 +33,20 @@ def main(args: argparse.Namespace) -> int:
         RealDemoConfig,
         enqueue,
         final_eval,
+        heldout_rows,
         plot,
         run_pipeline,
+        summary_lines,
         task_figures,
         throughput,
     )
-    from pipeline.models.realpair import RealPair, RealPairUnavailable, ensure_real_pair
+    from pipeline.models.realpair import (
+        DEFAULT_DROP,
+        DEFAULT_METHOD,
+        RealPair,
+        RealPairUnavailable,
+        ensure_real_pair,
+    )
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)
@@ -52,9 +60,11 @@ def main(args: argparse.Namespace) -> int:
         else:
             with console.status("real pair: dequantizing the teacher and pruning the student (cached after the "
                                 "first run)...") as status:
-                pair = ensure_real_pair(progress=status.update)
+                pair = ensure_real_pair(drop=getattr(args, "student_drop", None) or DEFAULT_DROP,
+                                        by=getattr(args, "student_prune", None) or DEFAULT_METHOD,
+                                        progress=status.update)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {pair.teacher}, "
-                      f"student {pair.student}")
+                      f"student {pair.student} ({pair.describe()})")
         url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
         if url:
             console.print(f"using Redis at {mask_url(url)}")
@@ -71,18 +81,17 @@ def main(args: argparse.Namespace) -> int:
         with console.status("evaluating the last published weights..."):
             final_eval(result, cfg, pair.student, pair.teacher)
         summary = report(result, console)
-        summary.update(task_figures(result))
+        summary.update(task_figures(result, len(heldout_rows(cfg))))
         summary["throughput"] = throughput(result)
-        summary["pair"] = {"teacher": str(pair.teacher), "student": str(pair.student), "device": cfg.device,
+        summary["pair"] = {"teacher": str(pair.teacher), "student": str(pair.student),
+                           "student_pruned": pair.describe(), "device": cfg.device,
                            "steps": cfg.steps, "lr": cfg.lr, "top_k": cfg.top_k, "group_size": cfg.group_size,
                            "max_tokens": cfg.max_tokens}
         summary["total_s"] = round(time.monotonic() - t0, 1)
-        for name in ("teacher_task_accuracy", "heldout_task_accuracy_start", "heldout_task_accuracy_end",
-                     "teacher_answer_logprob", "heldout_answer_logprob_start", "heldout_answer_logprob_end"):
-            if name in summary:
-                console.print(f"{name}: {summary[name]:.3f}")
+        for line in summary_lines(summary):
+            console.print(line)
         (args.out / "report.json").write_text(json.dumps(summary, indent=2))
-        png = plot(result, args.out / "reverse_kl.png", "distillq demo --real: SmolLM2-135M into 15 of its 30 layers")
+        png = plot(result, args.out / "reverse_kl.png", f"distillq demo --real: into {pair.describe().split(',')[0]}")
         console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
                       + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
         ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
