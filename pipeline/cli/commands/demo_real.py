@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import time
 from types import FrameType
@@ -19,7 +18,7 @@ from types import FrameType
 from pipeline.cli.commands.common import ensure_reachable, make_console, run
 from pipeline.cli.embedded import EmbeddedRedis
 from pipeline.cli.errors import EXIT_USAGE, CliError
-from pipeline.config import redis_settings
+from pipeline.config import env, redis_settings
 from pipeline.transport.connection import mask_url
 
 
@@ -65,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
                                         progress=status.update)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {pair.teacher}, "
                       f"student {pair.student} ({pair.describe()})")
-        url = args.redis_url or os.environ.get("DISTILLQ_REDIS_URL")
+        url = args.redis_url or env("REDIS_URL")
         if url:
             console.print(f"using Redis at {mask_url(url)}")
             run(ensure_reachable(redis_settings(url), url))
@@ -73,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
             embedded = EmbeddedRedis().start()
             url = embedded.url
             console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
-        namespace = args.namespace or os.environ.get("DISTILLQ_NAMESPACE") or "demo"
+        namespace = args.namespace or env("NAMESPACE") or "demo"
         cfg = RealDemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or RealDemoConfig.steps,
                              timeout_s=args.timeout or RealDemoConfig.timeout_s, device=args.device)
         console.print(f"enqueued {enqueue(cfg)} prompts")
