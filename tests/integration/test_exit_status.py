@@ -101,6 +101,7 @@ def test_an_atropos_server_with_an_invalid_wait_exits_2_in_one_line(redis_url: s
     assert_refused(p, "distillq: --batch-wait-s must be a number of seconds from 0 to 60, got 99.0")
 
 
+@pytest.mark.slow
 def test_the_example_learner_on_a_folder_without_a_model_exits_2_in_one_line(redis_url: str, tmp_path: Path) -> None:
     weights = tmp_path / "weights"
     p = run([sys.executable, "-m", "pipeline.learner.example", "--student", str(tmp_path), "--weights-dir",
@@ -109,6 +110,7 @@ def test_the_example_learner_on_a_folder_without_a_model_exits_2_in_one_line(red
     assert not weights.exists()  # refused before it wrote anything
 
 
+@pytest.mark.slow
 def test_the_example_learner_without_redis_exits_3_in_one_line(tmp_path: Path) -> None:
     from pipeline.models.tinymodels import ensure_tiny_models
 
@@ -119,6 +121,7 @@ def test_the_example_learner_without_redis_exits_3_in_one_line(tmp_path: Path) -
     assert said(p) == ["distillq: cannot reach Redis at redis://127.0.0.1:1/0: Connection refused"], p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_up_does_not_restart_a_worker_that_refused_its_configuration(redis_url: str, tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     t0 = time.monotonic()
@@ -133,6 +136,7 @@ def test_up_does_not_restart_a_worker_that_refused_its_configuration(redis_url: 
     assert (logs / "rollout-0.log").read_text().count("--model is required") == 1  # started once
 
 
+@pytest.mark.slow
 def test_the_supervisor_restarts_a_crash_but_not_a_refusal(tmp_path: Path) -> None:
     def child(code: int, line: str) -> list[str]:
         return [sys.executable, "-c", f"import sys; print({line!r}); sys.exit({code})"]
