@@ -18,7 +18,7 @@ from tests.integration.test_feeder import payload_keys
 from tests.integration.test_learner_delivery import feed, push
 from tests.streams import fast
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
