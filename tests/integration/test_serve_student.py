@@ -120,7 +120,8 @@ Sink = Callable[[RolloutGroup], Awaitable[object]]
 def make_service(student: HFStudent, sink: Sink, clock: Clock | None = None, **cfg: Any) -> StudentService:
     c = clock or Clock()
     sessions = SessionStore(max_sessions=cfg.pop("max_sessions", 64), ttl_s=cfg.pop("ttl_s", 60.0), clock=c)
-    config = StudentServeConfig(served_names=(MODEL,), max_model_len=cfg.pop("max_model_len", 1024), vocab_size=512, **cfg)
+    config = StudentServeConfig(served_names=(MODEL,), max_model_len=cfg.pop("max_model_len", 1024), vocab_size=512,
+                                **cfg)
     return StudentService(
         student, config, sink, sessions=sessions, groups=GroupAssembler(ttl_s=sessions.ttl_s, clock=c)
     )
