@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli.errors import CliError
 from pipeline.errors import (
     ApiError,
     BackendError,
@@ -56,6 +55,7 @@ from pipeline.serve.student.jsonbody import BodyProblem
 from pipeline.serve.student.service import ServeError
 from pipeline.serve.student.validation import RequestError
 from pipeline.serve.student.verifiers import groups_from_traces
+from pipeline.stages.exits import CliError
 from pipeline.teacher.base import TeacherConfigError
 from pipeline.teacher.vllm_engine_proc import HookMissing
 from pipeline.teacher.vocab import VocabMismatchError

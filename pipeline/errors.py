@@ -21,7 +21,7 @@ family                      its classes (home module)
                             (``pipeline.serve.student.validation``), ``BodyProblem``
                             (``pipeline.serve.student.jsonbody``)
 ``CheckpointError``         itself (``pipeline.models.weights``)
-``CliError``                itself (``pipeline.stages.exits``, re-exported by ``pipeline.cli.errors``)
+``CliError``                itself (``pipeline.stages.exits``)
 ==========================  ===================================================================================
 
 The families are defined here (``DistillqError`` and ``WireFormatError`` in ``schemas.errors``, the lowest layer,

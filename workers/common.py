@@ -12,8 +12,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pipeline.config import StreamSettings, add_redis_args, env, redis_settings_from_args
-from pipeline.flags import HelpFormatter, add_flags, from_args, int_at_least, one_of
+from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
+from pipeline.flags import HelpFormatter, add_flags, from_args
 from pipeline.logs import configure_logging
 from pipeline.stages.exits import run_command
 from pipeline.stages.worker_main import check_health, run_worker
@@ -22,8 +22,7 @@ from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import get_shards, parse_assigned
 from workers.settings import WorkerSettings
 
-__all__ = ["STAGE_DESCRIPTIONS", "HelpFormatter", "add_common_args", "env", "int_at_least", "one_of", "run_stage",
-           "shard_plan", "standalone", "stream_settings"]
+__all__ = ["STAGE_DESCRIPTIONS", "add_common_args", "run_stage", "shard_plan", "standalone", "stream_settings"]
 
 Serve = Callable[[argparse.Namespace, aioredis.Redis, Keys, asyncio.Event], Awaitable[Any]]
 

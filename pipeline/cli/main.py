@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pipeline.cli.errors import EXIT_USAGE, fail, run_command
 from pipeline.logs import configure_logging
+from pipeline.stages.exits import EXIT_USAGE, fail, run_command
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         where,
         worker,
     )
-    from workers.common import HelpFormatter
+    from pipeline.flags import HelpFormatter
 
     parser = argparse.ArgumentParser(
         prog="distillq", formatter_class=HelpFormatter,

@@ -25,7 +25,7 @@ from typing import IO
 import structlog
 
 from pipeline.backoff import BackoffPolicy
-from pipeline.cli.errors import EXIT_USAGE
+from pipeline.stages.exits import EXIT_USAGE
 
 log = structlog.get_logger("distillq.supervisor")
 

@@ -30,12 +30,12 @@ from structlog.testing import capture_logs
 
 from pipeline.cli.commands.serve_student import add_student_arguments, run_student
 from pipeline.cli.commands.serve_student import main as serve_student
-from pipeline.cli.errors import CliError
 from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.serve.student.app import create_app
 from pipeline.serve.student.service import StudentServeConfig, StudentService
 from pipeline.serve.student.sessions import GroupAssembler, SessionStore
+from pipeline.stages.exits import CliError
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA
 from pipeline.transport.sdk import AsyncGroupProducer

@@ -43,8 +43,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     # the public API: re-exports only, and no layer imports it
     "distillq": {
-        "schemas", "pipeline.base", "pipeline.transport", "pipeline.learner", "pipeline.serve", "pipeline.teacher",
-        "pipeline.rollout", "pipeline.models", "pipeline.cli",
+        "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.learner", "pipeline.serve",
+        "pipeline.teacher", "pipeline.rollout", "pipeline.models", "pipeline.cli",
     },
 }
 #: Layers every layer but ``schemas`` may import: the exception hierarchy.

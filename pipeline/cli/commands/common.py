@@ -13,11 +13,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from rich.console import Console
 
-from pipeline.cli.errors import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
 from pipeline.config import RedisSettings, redis_settings_from_args
+from pipeline.flags import HelpFormatter
+from pipeline.stages.exits import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
 from pipeline.transport.connection import connect, redis_error_line
 from pipeline.transport.keys import STREAMS, Keys
-from workers.common import HelpFormatter
 
 T = TypeVar("T")
 

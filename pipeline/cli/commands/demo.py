@@ -17,8 +17,8 @@ from rich.console import Console
 
 from pipeline.cli.commands.common import add_command, ensure_reachable, make_console, namespace_keys, run
 from pipeline.cli.embedded import EmbeddedRedis
-from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.config import RedisSettings, env, redis_settings
+from pipeline.stages.exits import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.connection import mask_url
 
 

@@ -17,8 +17,8 @@ from types import FrameType
 
 from pipeline.cli.commands.common import ensure_reachable, make_console, run
 from pipeline.cli.embedded import EmbeddedRedis
-from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import env, redis_settings
+from pipeline.stages.exits import EXIT_USAGE, CliError
 from pipeline.transport.connection import mask_url
 
 

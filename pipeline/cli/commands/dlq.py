@@ -30,7 +30,6 @@ from pipeline.cli.commands.common import (
     with_redis,
 )
 from pipeline.cli.deadletters import ORIG, TARGETS, PromptReplay, Refusal
-from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.cli.inspect import one_line, summarize_entry, summarize_message
 from pipeline.cli.locate import advice
 from pipeline.cli.namespaces import absent_note
@@ -38,6 +37,7 @@ from pipeline.cli.recovery import DeadLetterIndex, assess, dead_letter_index, se
 from pipeline.cli.resample import dlq_resample, replay_prompt
 from pipeline.cli.streamstats import server_time
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
+from pipeline.stages.exits import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, BackpressureTimeout
 from pipeline.transport.sharding import get_shards

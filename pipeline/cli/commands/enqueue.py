@@ -23,8 +23,8 @@ from pipeline.cli.commands.common import (
     run,
     with_redis,
 )
-from pipeline.cli.errors import EXIT_FAILED, CliError
 from pipeline.config import add_redis_args, redis_settings_from_args
+from pipeline.stages.exits import EXIT_FAILED, CliError
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PROMPT_DECODER, Added, PromptJob, enqueue_prompts
 

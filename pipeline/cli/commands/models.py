@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from pipeline.cli.commands.common import add_command
-from pipeline.cli.errors import EXIT_USAGE, CliError
+from pipeline.stages.exits import EXIT_USAGE, CliError
 
 DEMO_REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -24,10 +24,10 @@ from pipeline.cli.commands.common import (
     run,
     with_redis,
 )
-from pipeline.cli.errors import EXIT_FAILED, CliError
 from pipeline.cli.namespaces import absent_note
 from pipeline.cli.recovery import admit_push
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
+from pipeline.stages.exits import EXIT_FAILED, CliError
 from pipeline.transport.keys import STREAMS, Keys
 from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer, message_id
 from pipeline.transport.sharding import get_shards

@@ -23,10 +23,10 @@ from collections.abc import Callable
 import structlog
 
 from pipeline.cli.commands.common import add_command
-from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.flags import add_flags, from_args
 from pipeline.serve.atropos.settings import AtroposSettings, serve_config
+from pipeline.stages.exits import EXIT_USAGE, CliError
 
 
 def add_atropos(servers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,7 +14,7 @@ The flags are ``StudentServeSettings``' fields (``pipeline.serve.student.setting
 point. Either way a failure the user can act on is one line on stderr, ``distillq: MESSAGE``, and the exit
 status docs/cli.md gives: 2 for an invalid flag or a backend that cannot be loaded, 3 when Redis cannot be
 reached, 1 when the port cannot be bound. ``run_student`` raises them (``CliError``, pydantic's ``ValidationError``) and
-``pipeline.cli.errors.run_command`` prints them, as for every command.
+``pipeline.stages.exits.run_command`` prints them, as for every command.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from pipeline.cli.commands.common import ensure_reachable, run
-from pipeline.cli.errors import EXIT_USAGE, CliError, fail, run_command
 from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.flags import add_flags, from_args
 from pipeline.logs import configure_logging
 from pipeline.serve.student.settings import StudentServeSettings, session_store, student_serve_config
+from pipeline.stages.exits import EXIT_USAGE, CliError, fail, run_command
 
 if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
     from pipeline.rollout.students.base import StudentBackend

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 
 from pipeline.cli.commands.common import add_command, run, with_redis
-from pipeline.cli.errors import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.config import add_redis_args, redis_settings_from_args
+from pipeline.stages.exits import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.sharding import ShardConfigError, get_shards, set_shards
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from types import FrameType
 
 from pipeline.cli.commands.common import add_command, make_console
-from pipeline.cli.errors import EXIT_USAGE, CliError
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import add_redis_args, redis_settings_from_args
+from pipeline.stages.exits import EXIT_USAGE, CliError
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
