@@ -36,7 +36,7 @@ from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner, LearnerBatch
 from pipeline.learner.torch_batch import TorchBatch, to_torch
-from pipeline.models.tinymodels import load_causal_lm
+from pipeline.models.weights import load_causal_lm
 
 KEEP_ALL = 1 << 20  # every published version stays: the test checks each group against its version's weights
 

@@ -278,7 +278,7 @@ def prune_folder(
 
     from transformers import AutoTokenizer
 
-    from pipeline.models.tinymodels import load_causal_lm
+    from pipeline.models.weights import load_causal_lm
 
     if progress:
         progress(f"loading {src}")

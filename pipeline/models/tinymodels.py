@@ -8,9 +8,6 @@ Attention head size is 32 so vLLM's CPU backend can load them too.
 vocabulary (151,936 rows of embeddings and lm_head) and 32,768 positions, with hidden size 64 so a CPU
 scores thousands of tokens in seconds. Its folder carries the tiny tokenizer (512 tokens): the model's
 vocabulary exceeds the tokenizer's, as Qwen's does.
-
-``load_causal_lm`` is ``pipeline.models.weights.load_causal_lm`` (the one loader of model folders), named here too
-for the code and tests that load these models.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import env
-from pipeline.models.weights import load_causal_lm as load_causal_lm  # noqa: PLC0414  (named here too: see above)
 
 DEFAULT_CACHE = Path(env("CACHE") or ".cache") / "tiny"
 VOCAB_SIZE = 512

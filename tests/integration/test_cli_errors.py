@@ -266,7 +266,8 @@ def test_teacher_pretraining_and_learner_step_raise_no_warning(tmp_path: Path) -
 
     from pipeline.learner.example import LearnerConfig, optimiser_step
     from pipeline.models.pretrain import train_teacher
-    from pipeline.models.tinymodels import TinyModels, ensure_tiny_models, load_causal_lm
+    from pipeline.models.tinymodels import TinyModels, ensure_tiny_models
+    from pipeline.models.weights import load_causal_lm
     from schemas import Array, TrainBatch
 
     cached = ensure_tiny_models()
@@ -294,7 +295,7 @@ def test_model_loading_progress_bars_stay_out_of_worker_output(keys: Keys, redis
     teacher = str(ensure_tiny_models().teacher)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
     # Without the entry point's set-up, loading this model draws a bar: the check below can fail.
-    load = ("from pipeline.models.tinymodels import load_causal_lm; import sys; load_causal_lm(sys.argv[1])")
+    load = ("from pipeline.models.weights import load_causal_lm; import sys; load_causal_lm(sys.argv[1])")
     bare = subprocess.run([sys.executable, "-c", load, teacher], env=env, capture_output=True, text=True,
                           timeout=120, cwd=ROOT, check=False)
     assert bare.returncode == 0 and "Loading weights" in bare.stderr, bare.stderr[-2000:]

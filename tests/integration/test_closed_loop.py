@@ -236,7 +236,7 @@ def check_steps(recs: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
 def check_logprobs(groups: dict[str, dict[str, Any]], weights: Path) -> tuple[float, int, int]:
     """Every group's student logprobs equal a transformers forward of the weights of the version it names.
     Returns (largest difference, tokens checked, versions)."""
-    from pipeline.models.tinymodels import load_causal_lm
+    from pipeline.models.weights import load_causal_lm
 
     versions = sorted({g["version"] for g in groups.values()})
     assert BAD_VERSION not in versions

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
-from pipeline.models.weights import LATEST, load_weights
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import LATEST, load_causal_lm, load_weights
 
 
 def _rank(rank: int, directory: str, mode: str, port: int) -> None:

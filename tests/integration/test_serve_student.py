@@ -30,7 +30,8 @@ from structlog.testing import capture_logs
 
 from pipeline.cli.commands.serve_student import add_student_arguments, run_student
 from pipeline.cli.commands.serve_student import main as serve_student
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.serve.student.app import create_app
 from pipeline.serve.student.service import StudentServeConfig, StudentService

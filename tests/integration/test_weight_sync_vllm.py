@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from pipeline import metrics
 from pipeline.learner.publish import publish_weights
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
-from pipeline.models.weights import LATEST, MARKER, folder_name
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import LATEST, MARKER, folder_name, load_causal_lm
 from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import VLLMEngine

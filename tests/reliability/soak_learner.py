@@ -31,7 +31,7 @@ from distillq import Learner, LearnerBatch
 from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.learner.chunked import topk_forward_kl
 from pipeline.learner.torch_batch import to_torch
-from pipeline.models.tinymodels import load_causal_lm
+from pipeline.models.weights import load_causal_lm
 
 #: A teacher logprob at or below this is not a value (vLLM's -inf sentinel is -9999.0).
 FLOOR = -1000.0

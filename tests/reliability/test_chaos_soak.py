@@ -75,8 +75,8 @@ def test_torn_versions_are_torn_as_named(tmp_path: Path) -> None:
     """Each way the soak tears a version: no marker; the marker with a shard shorter than it says; the marker
     and every size right, with one tensor all NaN."""
     from pipeline.learner.publish import write_checkpoint
-    from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
-    from pipeline.models.weights import MARKER, folder_name
+    from pipeline.models.tinymodels import ensure_tiny_models
+    from pipeline.models.weights import MARKER, folder_name, load_causal_lm
 
     student = ensure_tiny_models().student
     good = write_checkpoint(load_causal_lm(student), 1, tmp_path, tokenizer_dir=student)

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline.models.taskeval import answer_logprob
-from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models, load_causal_lm
+from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
+from pipeline.models.weights import load_causal_lm
 
 
 @pytest.mark.slow  # trains the tiny student for real (a minute on 2 cores)

@@ -12,7 +12,8 @@ import torch
 from structlog.testing import capture_logs
 from transformers import AutoTokenizer
 
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.sampler import sample_group

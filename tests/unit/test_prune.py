@@ -19,7 +19,8 @@ from pipeline.cli.main import main
 from pipeline.errors import ConfigurationError
 from pipeline.models import prune
 from pipeline.models.realpair import kept_layers, prune_every_other
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import load_causal_lm
 
 pytestmark = pytest.mark.timeout(600)
 

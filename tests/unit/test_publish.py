@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.learner.publish import publish_weights, write_checkpoint
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.models.weights import (
     LATEST,
     MARKER,
@@ -20,6 +20,7 @@ from pipeline.models.weights import (
     checkpoint_shapes,
     folder_name,
     latest,
+    load_causal_lm,
     load_weights,
     read_config,
 )  # fmt: skip

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from pipeline import metrics
 from pipeline.learner.publish import publish_weights
-from pipeline.models.tinymodels import ensure_tiny_models, load_causal_lm
+from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.students.base import GenParams, StudentBackendError
 from pipeline.rollout.students.vllm import VLLMStudent
 from pipeline.rollout.sync_engines import SGLangEngine, VLLMEngine, VLLMLoraEngine
