@@ -59,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             with console.status("real pair: dequantizing the teacher and pruning the student (cached after the "
                                 "first run)...") as status:
-                pair = ensure_real_pair(drop=getattr(args, "student_drop", None) or DEFAULT_DROP,
+                drop = getattr(args, "student_drop", None)
+                pair = ensure_real_pair(drop=DEFAULT_DROP if drop is None else drop,
                                         by=getattr(args, "student_prune", None) or DEFAULT_METHOD,
                                         progress=status.update)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {pair.teacher}, "
