@@ -7,7 +7,7 @@ Methods (``METHODS``):
   no padding). A layer that barely turns the residual stream scores near 0; the ``drop`` lowest-scoring layers go
   (ties: the lower index first).
 - ``alternate``: every other layer kept (0, 2, 4, ...), the real pair's student
-  (``pipeline.models.realpair.kept_layers``); nothing is measured.
+  (``kept_layers``); nothing is measured.
 
 The model must be Llama/Qwen2/Mistral-style: ``model.model.layers`` a ``ModuleList`` of decoder layers, each with
 a ``self_attn`` (``decoder_layers``). The kept layers stay in order; each one's ``self_attn.layer_idx`` is
@@ -43,7 +43,6 @@ from typing import Any, Literal
 
 from pipeline.errors import ConfigurationError
 from pipeline.models import realtasks
-from pipeline.models.realpair import kept_layers
 
 Method = Literal["block-influence", "alternate"]
 #: One prompt: chat messages, or a text.
@@ -183,8 +182,17 @@ def lowest(scores: Sequence[float], drop: int) -> list[int]:
     return sorted(sorted(range(len(scores)), key=lambda i: (scores[i], i))[:drop])
 
 
+#: ``--by alternate`` keeps every ``KEEP_EVERY``-th decoder layer (the real pair's student before block influence)
+KEEP_EVERY = 2
+
+
+def kept_layers(n_layers: int, every: int = KEEP_EVERY) -> list[int]:
+    """Layer indices ``--by alternate`` keeps: 0, every, 2 * every, ..."""
+    return list(range(0, n_layers, every))
+
+
 def alternate_dropped(n_layers: int) -> list[int]:
-    """The layers the real pair's student leaves out: every layer ``kept_layers`` does not keep."""
+    """The layers ``--by alternate`` leaves out: every layer ``kept_layers`` does not keep."""
     keep = set(kept_layers(n_layers))
     return [i for i in range(n_layers) if i not in keep]
 

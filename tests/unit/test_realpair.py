@@ -11,7 +11,8 @@ import torch
 
 from pipeline.learner.publish import publish_weights
 from pipeline.models import realtasks
-from pipeline.models.realpair import RealPair, kept_layers, prune_record, prune_state_dict, student_name
+from pipeline.models.prune import kept_layers
+from pipeline.models.realpair import RealPair, prune_record, student_name
 from pipeline.models.weights import load_weights
 
 
@@ -19,20 +20,6 @@ def test_kept_layers_every_other() -> None:
     assert kept_layers(30) == list(range(0, 30, 2))
     assert len(kept_layers(30)) == 15
     assert kept_layers(5, 2) == [0, 2, 4]
-
-
-def test_prune_state_dict_renumbers_kept_layers() -> None:
-    state = {"model.embed_tokens.weight": torch.zeros(1), "model.norm.weight": torch.ones(1)}
-    for i in range(4):
-        state[f"model.layers.{i}.mlp.up_proj.weight"] = torch.full((1,), float(i))
-        state[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.full((1,), 10.0 + i)
-    out = prune_state_dict(state, [0, 2])
-    assert sorted(k for k in out if k.startswith("model.layers.")) == [
-        "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
-    assert float(out["model.layers.1.mlp.up_proj.weight"]) == 2.0
-    assert float(out["model.layers.1.self_attn.q_proj.weight"]) == 12.0
-    assert "model.embed_tokens.weight" in out and "model.norm.weight" in out
 
 
 def test_packaged_prompts_are_the_generated_ones() -> None:
