@@ -53,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="--real: decoder layers the default student leaves out (default: 3)")
     p.add_argument("--student-prune", choices=("block-influence", "alternate"), default=None,
                    help="--real: which layers the default student leaves out: the N of lowest block influence "
-                        "(default) or every other one (docs/real-pair.md)")
+                        "or every other one (docs/real-pair.md; default: block-influence)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
                         "loopback port, stopped at the end)")
