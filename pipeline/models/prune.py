@@ -6,8 +6,8 @@ Methods (``METHODS``):
   the hidden state at every token, averaged over every token of the prompts (one forward per prompt, float32,
   no padding). A layer that barely turns the residual stream scores near 0; the ``drop`` lowest-scoring layers go
   (ties: the lower index first).
-- ``alternate``: every other layer kept (0, 2, 4, ...), the real pair's student
-  (``kept_layers``); nothing is measured.
+- ``alternate``: every other layer kept (0, 2, 4, ...) (``kept_layers``; ``distillq demo --real
+  --student-prune alternate``); nothing is measured.
 
 The model must be Llama/Qwen2/Mistral-style: ``model.model.layers`` a ``ModuleList`` of decoder layers, each with
 a ``self_attn`` (``decoder_layers``). The kept layers stay in order; each one's ``self_attn.layer_idx`` is

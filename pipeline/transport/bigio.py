@@ -1,4 +1,4 @@
-"""redis-py connections sized for multi-MB stream entries (scored groups are 1-6 MB each).
+"""redis-py connections sized for multi-MB stream entries (a scored group is 1-70 MB at the benchmarked shapes).
 
 Three costs of redis-py 5 + asyncio (Python 3.11) on such entries, measured in ``bench.transport``:
 

@@ -49,7 +49,7 @@ def add_prune_parser(msub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p = add_command(msub, "prune", "remove decoder layers from a local model: the least important, or every other",
                     "Depth-prune the local causal LM in SRC into OUT: --by block-influence measures each decoder "
                     "layer's block influence (1 - cos(layer input, layer output), mean over the prompts' tokens) and "
-                    "drops the --drop lowest; --by alternate keeps every other layer (the real pair's student). OUT "
+                    "drops the --drop lowest; --by alternate keeps every other layer. OUT "
                     "gets the model (float32 safetensors), its tokenizer and prune.json (the dropped and kept layers "
                     "in SRC's numbering, every layer's score, the prompts used). Llama/Qwen2/Mistral-style models.")
     p.add_argument("src", type=Path, metavar="SRC", help="the model folder to prune (config.json, weights, tokenizer)")
