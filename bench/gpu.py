@@ -65,7 +65,7 @@ def build(name: str, dtype: str, device: str) -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.models.tinymodels import DEFAULT_CACHE, ensure_tiny_models
+    from pipeline.demo.tinymodels import DEFAULT_CACHE, ensure_tiny_models
 
     a = ARCHS[name]
     path = DEFAULT_CACHE.parent / "bench" / f"{name}-{dtype}"

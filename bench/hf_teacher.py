@@ -89,7 +89,7 @@ def run_case(case: str, threads: int, old_budget: int) -> dict[str, Any]:
     """One case in this process: load, reset the peak, score, measure."""
     import torch
 
-    from pipeline.models.tinymodels import ensure_real_vocab_model
+    from pipeline.demo.tinymodels import ensure_real_vocab_model
     from pipeline.models.weights import load_causal_lm
 
     torch.set_num_threads(threads)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bench.codec import cpu_model
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import plan_chunks

@@ -56,7 +56,7 @@ class Shape:
 
 def build_wide_model(hidden: int, layers: int, vocab: int = VOCAB, positions: int = 8192) -> Path:
     """A random Llama (``hidden``, ``layers``, heads of 64, intermediate 2.75 x hidden) with a tokenizer, cached."""
-    from pipeline.models.tinymodels import DEFAULT_CACHE, build_model, ensure_tiny_models
+    from pipeline.demo.tinymodels import DEFAULT_CACHE, build_model, ensure_tiny_models
 
     path = DEFAULT_CACHE.parent / "bench" / f"wide-h{hidden}-l{layers}-v{vocab}-p{positions}"
     if (path / "DONE").exists():

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.learner.publish import publish_weights
-from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.models.weights import latest, load_causal_lm
 from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent

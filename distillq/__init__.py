@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pipeline.demo.realpair import RealPairUnavailable
 from pipeline.errors import (
     ApiError,
     BackendError,
@@ -47,7 +48,6 @@ from pipeline.learner.checks import LearnerConnectionError
 from pipeline.learner.client import AsyncLearner, Learner
 from pipeline.learner.publish import publish_weights
 from pipeline.learner.ranks import RankTakenOver
-from pipeline.models.realpair import RealPairUnavailable
 from pipeline.models.weights import CheckpointError
 from pipeline.rollout.students.base import StudentBackendError
 from pipeline.rollout.sync_engines import EngineError

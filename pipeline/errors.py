@@ -8,8 +8,8 @@ family                      its classes (home module)
                             (``schemas.arrays``), ``BadPrompt`` (``pipeline.transport.prompts``)
 ``ConfigurationError``      ``TeacherConfigError`` (``pipeline.teacher.base``), ``VocabMismatchError``
                             (``pipeline.teacher.vocab``), ``ShardConfigError`` (``pipeline.transport.sharding``),
-                            ``RealPairUnavailable`` (``pipeline.models.realpair``); itself where no narrower class
-                            fits (``workers.rollout``, ``pipeline.learner.example``)
+                            ``RealPairUnavailable`` (``pipeline.demo.realpair``); itself where no narrower class
+                            fits (``workers.rollout``, ``pipeline.demo.learner``)
 ``BackendError``            ``StudentBackendError`` (``pipeline.rollout.students.base``), ``EngineError``
                             (``pipeline.rollout.sync_engines``), ``HookMissing`` (``pipeline.teacher.vllm_engine_proc``)
 ``TransportError``          ``BackpressureTimeout``, ``MessageTooLarge``, ``ProducerStopped``

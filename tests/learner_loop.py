@@ -3,7 +3,7 @@
     python -m tests.learner_loop --rank R --world-size N --port P --student DIR --weights-dir DIR --steps S
         --record OUT.jsonl [--eval-teacher DIR] [--hold-at-step K] [--lr LR]
 
-The example learner (``pipeline.learner.example``) on N ranks: each rank reads its part of the same batch
+The example learner (``pipeline.demo.learner``) on N ranks: each rank reads its part of the same batch
 (``Learner(rank=, world_size=)``), the losses are those of ``example.optimiser_step`` summed and divided by
 the whole batch's token counts (``all_reduce``), so that DDP's mean of the ranks' gradients is the gradient of
 the whole batch (shown to 1e-6 by tests/integration/test_learner_ranks.py); AdamW with the learning rate
@@ -104,7 +104,7 @@ class Rank:
         if a.eval_teacher and self.rank == 0:
             from transformers import AutoTokenizer
 
-            from pipeline.learner.example import heldout_prompts
+            from pipeline.demo.learner import heldout_prompts
 
             self.teacher = load_causal_lm(a.eval_teacher)
             self.prompts = heldout_prompts(AutoTokenizer.from_pretrained(a.student), 48)

@@ -1,2 +1,3 @@
-"""The ``distillq`` command line: ``main`` (the entry point), ``commands`` (one module per subcommand), and
-what the commands run: the demo, embedded Redis, the supervisor, stream inspection and stats."""
+"""The ``distillq`` command line: ``main`` (the entry point) and ``commands`` (one module per subcommand) on top;
+beside them, what the commands run: stream inspection and summaries, stats, recovery of dead letters, embedded
+Redis and the supervisor of local processes. The demo lives in ``pipeline.demo``."""

@@ -11,7 +11,7 @@ Loss per batch: ``pg_weight`` x importance-sampled policy gradient on the feeder
 a tail bucket, each averaged over its mask (``pipeline.learner.losses``). A batch is acknowledged by a
 callback after the optimiser step that used it (``on_step_end``), so a crash redelivers what was not
 stepped. The loss runs on the model's full logits; at a large vocabulary, override ``compute_loss`` with the
-chunked losses (``pipeline.learner.chunked``, as in ``pipeline.learner.example``).
+chunked losses (``pipeline.learner.chunked``, as in ``pipeline.demo.learner``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-"""Model files: loading causal LMs, weight files, and the tiny models for demos and tests.
-
-Tiny models are built, pretrained and evaluated here; nothing in this package talks to Redis.
+"""Model files: loading causal LMs (``weights``), published weight folders, depth pruning (``prune``), held-out
+evaluation (``evaluation``) and the key/value cache names (``kvcache``). Nothing in this package talks to Redis.
 """

@@ -22,7 +22,8 @@ tokens, the file's sha256). The same inputs give the same choice and byte-identi
 
 Prompts: JSONL, one object a line with ``messages`` (chat messages, rendered with the tokenizer's chat template
 and its generation prompt) or ``prompt`` (text), as ``distillq enqueue`` reads them; other fields are ignored.
-Default: the train split of the real pair's packaged prompts (``pipeline.models.realtasks``).
+The ``distillq models prune`` default is the train split of the demo's real-pair prompts
+(``pipeline.demo.realtasks.train_prompts``).
 
 Anything that cannot be pruned (no SRC, an unknown architecture, ``drop`` below 1 or not below the layer count, an
 unreadable prompts file, OUT not empty) raises ``ConfigurationError`` with one line saying why, before anything is
@@ -37,12 +38,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.errors import ConfigurationError
-from pipeline.models import realtasks
 
 Method = Literal["block-influence", "alternate"]
 #: One prompt: chat messages, or a text.
@@ -51,7 +50,6 @@ METHODS: tuple[Method, ...] = ("block-influence", "alternate")
 PRUNE_FILE = "prune.json"
 #: What a block-influence score is, as prune.json states it.
 SCORE_DEFINITION = "1 - cos(layer input, layer output) of each token's hidden state, mean over the prompts' tokens"
-DEFAULT_PROMPTS = "pipeline/models/real_tasks.jsonl (train split)"
 
 
 @dataclass(frozen=True)
@@ -77,13 +75,6 @@ class PruneResult:
     @property
     def kept(self) -> list[int]:
         return list(self.record["kept"])
-
-
-def default_prompts() -> Prompts:
-    """The train split of the real pair's packaged prompts (hash: of the packaged file)."""
-    data = files("pipeline.models").joinpath(realtasks.DATA_FILE).read_bytes()
-    items: list[PromptItem] = [r["messages"] for r in realtasks.load("train")]
-    return Prompts(items, DEFAULT_PROMPTS, hashlib.sha256(data).hexdigest())
 
 
 def read_prompts(path: Path) -> Prompts:
@@ -268,7 +259,8 @@ def prune_folder(
 ) -> PruneResult:
     """Prune the model folder ``src`` into ``out`` (``drop`` layers; with ``alternate``, ``drop`` may be None and
     must otherwise equal the number ``alternate`` leaves out). ``prompts``: for ``block-influence``, default
-    ``default_prompts()``. Returns the record written as ``out/prune.json``."""
+    required (the demo's real pair passes ``pipeline.demo.realtasks.train_prompts()``). Returns the record
+    written as ``out/prune.json``."""
     if by not in METHODS:
         raise ConfigurationError(f"unknown pruning method {by!r}; choose from {', '.join(METHODS)}")
     src, out = Path(src), Path(out)
@@ -299,7 +291,8 @@ def prune_folder(
         dropped = alternate_dropped(n)
     else:
         assert drop is not None
-        prompts = prompts or default_prompts()
+        if prompts is None:
+            raise ConfigurationError("--by block-influence measures on prompts: pass a prompts file")
         if progress:
             progress(f"measuring block influence on {len(prompts.items)} prompts")
         scores, tokens = block_influence(model, tokenizer, prompts.items)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import RedisSettings
-from pipeline.models.tinymodels import TinyModels, ensure_tiny_models
+from pipeline.demo.tinymodels import TinyModels, ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.serve.atropos.app import create_app
 from pipeline.serve.atropos.startup import ServeConfig

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import redis
 
-from pipeline.models.tinymodels import TinyModels, ensure_tiny_models
+from pipeline.demo.tinymodels import TinyModels, ensure_tiny_models
 from pipeline.transport.keys import Keys
 from tests.integration.test_serve_atropos import REGISTRATION, TeacherThread
 from tests.redis_server import free_port

@@ -21,7 +21,7 @@ import pytest
 import transformers
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 
 pytest.importorskip("atroposlib", reason="atroposlib 0.4.0 not installed: pip install atroposlib==0.4.0")
 from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer

@@ -241,7 +241,7 @@ def test_long_error_lines_are_not_wrapped_when_stderr_is_not_a_terminal(tmp_path
 
 
 def test_demo_report_console_is_full_width_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.cli.demo import DemoResult, report
+    from pipeline.demo.tiny import DemoResult, report
 
     notes = {f"reason_{i}_with_a_long_name": i for i in range(8)}
     result = DemoResult(history=[{"step": 0.0, "heldout_reverse_kl": 2.0}, {"step": 1.0, "heldout_reverse_kl": 0.5}],
@@ -264,9 +264,9 @@ def test_demo_report_console_is_full_width_off_a_terminal(capsys: pytest.Capture
 def test_teacher_pretraining_and_learner_step_raise_no_warning(tmp_path: Path) -> None:
     import torch
 
-    from pipeline.learner.example import LearnerConfig, optimiser_step
-    from pipeline.models.pretrain import train_teacher
-    from pipeline.models.tinymodels import TinyModels, ensure_tiny_models
+    from pipeline.demo.learner import LearnerConfig, optimiser_step
+    from pipeline.demo.pretrain import train_teacher
+    from pipeline.demo.tinymodels import TinyModels, ensure_tiny_models
     from pipeline.models.weights import load_causal_lm
     from schemas import Array, TrainBatch
 
@@ -290,7 +290,7 @@ def test_teacher_pretraining_and_learner_step_raise_no_warning(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_model_loading_progress_bars_stay_out_of_worker_output(keys: Keys, redis_url: str) -> None:
-    from pipeline.models.tinymodels import ensure_tiny_models
+    from pipeline.demo.tinymodels import ensure_tiny_models
 
     teacher = str(ensure_tiny_models().teacher)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}

@@ -17,7 +17,7 @@ import structlog
 
 from pipeline.cli.main import main
 from pipeline.cli.streamstats import collect, with_rates
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.transport.consumer import StreamConsumer
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import StreamProducer

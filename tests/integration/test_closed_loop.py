@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.cli.demo import DemoConfig, enqueue, process_specs, worker_env
 from pipeline.cli.supervisor import Supervisor
+from pipeline.demo.tiny import DemoConfig, enqueue, process_specs, worker_env
 from pipeline.models.weights import LATEST, folder_name
 from pipeline.transport.keys import Keys
 from tests.kill_proxy import KillOnPauseProxy
@@ -119,8 +119,8 @@ class Loop:
     feeder under a ``Supervisor`` (which restarts a killed server), and the learner's two ranks."""
 
     def __init__(self, redis_url: str, keys: Keys, out: Path) -> None:
-        from pipeline.models.pretrain import train_teacher
-        from pipeline.models.tinymodels import ensure_tiny_models
+        from pipeline.demo.pretrain import train_teacher
+        from pipeline.demo.tinymodels import ensure_tiny_models
 
         tiny = ensure_tiny_models()
         self.out, self.student, teacher = out, tiny.student.resolve(), train_teacher(tiny).resolve()

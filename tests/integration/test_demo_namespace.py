@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli.demo import clear_namespace, live_workers
 from pipeline.config import RedisSettings
+from pipeline.demo.tiny import clear_namespace, live_workers
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PromptJob, enqueue_prompts

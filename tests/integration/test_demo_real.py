@@ -26,8 +26,7 @@ require_smollm2_wheel()
 
 @pytest.mark.timeout(900)
 def test_real_pair_distills_on_the_pipeline(tmp_path: Path, redis_url: str) -> None:
-    from pipeline.cli.demo import report
-    from pipeline.cli.demo_real import (
+    from pipeline.demo.real import (
         RealDemoConfig,
         enqueue,
         final_eval,
@@ -36,7 +35,8 @@ def test_real_pair_distills_on_the_pipeline(tmp_path: Path, redis_url: str) -> N
         task_figures,
         throughput,
     )
-    from pipeline.models.realpair import ensure_real_pair
+    from pipeline.demo.realpair import ensure_real_pair
+    from pipeline.demo.tiny import report
     from pipeline.teacher.vocab import check_same_vocab
 
     pair = ensure_real_pair()

@@ -1,7 +1,7 @@
 """One failure path and one exit-status convention for every entry point (docs/cli.md, "Errors and exit status").
 
 Each stage is started misconfigured as a user would start it, a real process through each of its entry points
-(``distillq ...``, ``python -m workers.STAGE``, ``python -m pipeline.learner.example``, ...): it exits with
+(``distillq ...``, ``python -m workers.STAGE``, ``python -m pipeline.demo.learner``, ...): it exits with
 status 2 and says what is wrong in one line on stderr (``distillq: ...``), with no traceback. ``distillq up``
 does not restart a worker that exited 2, and still restarts one that crashed.
 """
@@ -104,7 +104,7 @@ def test_an_atropos_server_with_an_invalid_wait_exits_2_in_one_line(redis_url: s
 @pytest.mark.slow
 def test_the_example_learner_on_a_folder_without_a_model_exits_2_in_one_line(redis_url: str, tmp_path: Path) -> None:
     weights = tmp_path / "weights"
-    p = run([sys.executable, "-m", "pipeline.learner.example", "--student", str(tmp_path), "--weights-dir",
+    p = run([sys.executable, "-m", "pipeline.demo.learner", "--student", str(tmp_path), "--weights-dir",
              str(weights), "--redis-url", redis_url, "--namespace", namespace()])
     assert_refused(p, f"distillq: --student {tmp_path}: not a model folder (no config.json there)")
     assert not weights.exists()  # refused before it wrote anything
@@ -112,10 +112,10 @@ def test_the_example_learner_on_a_folder_without_a_model_exits_2_in_one_line(red
 
 @pytest.mark.slow
 def test_the_example_learner_without_redis_exits_3_in_one_line(tmp_path: Path) -> None:
-    from pipeline.models.tinymodels import ensure_tiny_models
+    from pipeline.demo.tinymodels import ensure_tiny_models
 
     student = ensure_tiny_models().student
-    p = run([sys.executable, "-m", "pipeline.learner.example", "--student", str(student), "--weights-dir",
+    p = run([sys.executable, "-m", "pipeline.demo.learner", "--student", str(student), "--weights-dir",
              str(tmp_path / "weights"), "--redis-url", "redis://127.0.0.1:1/0"])
     assert p.returncode == 3, p.stderr[-3000:]
     assert said(p) == ["distillq: cannot reach Redis at redis://127.0.0.1:1/0: Connection refused"], p.stderr[-3000:]

@@ -36,7 +36,7 @@ def test_models_tiny_prints_paths_prompts_and_working_commands(redis_url: str, t
     cmds = [shlex.split(c) for c in out["commands"]]
     assert [c[:3] for c in cmds] == [["distillq", "enqueue", str(prompts)], ["distillq", "worker", "rollout"],
                                      ["distillq", "worker", "teacher"], ["distillq", "worker", "feeder"],
-                                     ["python", "-m", "pipeline.learner.example"]]
+                                     ["python", "-m", "pipeline.demo.learner"]]
     assert all(c[-4:] == ["--redis-url", redis_url, "--namespace", "tinycli"] for c in cmds)
     assert out["student"] in cmds[1] and out["teacher"] in cmds[2]
     enq = distillq(*cmds[0][1:])  # the printed enqueue command, as printed

@@ -29,8 +29,8 @@ def test_smollm2_pruned_by_block_influence_loads_and_generates(tmp_path: Path) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline.demo.realpair import ensure_real_pair
     from pipeline.models.prune import PRUNE_FILE, lowest
-    from pipeline.models.realpair import ensure_real_pair
 
     teacher = ensure_real_pair().teacher
     out = tmp_path / "pruned"

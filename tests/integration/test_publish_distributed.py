@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.models.weights import LATEST, load_causal_lm, load_weights
 
 

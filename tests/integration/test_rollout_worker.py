@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from pipeline.backoff import BackoffPolicy
 from pipeline.cli.locate import locate
 from pipeline.cli.main import build_parser, main
-from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
+from pipeline.demo.tinymodels import arithmetic_problem, ensure_tiny_models
 from pipeline.stages import rollout_worker
 from pipeline.stages.rollout_stage import RolloutStage
 from pipeline.stages.rollout_worker import RolloutWorker

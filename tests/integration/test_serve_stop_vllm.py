@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.rollout.stop_strings import StopStringChecker
 from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.hf import HFStudent

@@ -30,7 +30,7 @@ from structlog.testing import capture_logs
 
 from pipeline.cli.commands.serve_student import add_student_arguments, run_student
 from pipeline.cli.commands.serve_student import main as serve_student
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.students.hf import HFStudent
 from pipeline.serve.student.app import create_app
@@ -269,7 +269,7 @@ async def test_real_vocabulary_and_thousands_of_tokens(
     producer: AsyncGroupProducer, r: aioredis.Redis, keys: Keys
 ) -> None:
     """A Qwen-sized vocabulary (151,936) and a 4,000-token, two-turn rollout, through to Redis."""
-    from pipeline.models.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model
+    from pipeline.demo.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model
 
     real = HFStudent.from_pretrained(ensure_real_vocab_model())
     config = StudentServeConfig(served_names=(MODEL,), max_model_len=32_768, vocab_size=REAL_VOCAB_SIZE)

@@ -23,7 +23,7 @@ import redis
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.students.base import GenParams

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from pipeline.cli.main import main
-from pipeline.models.tinymodels import TinyModels, ensure_tiny_models
+from pipeline.demo.tinymodels import TinyModels, ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.transport.keys import Keys
 from schemas import DistillStatus, ScoredGroup, decode

@@ -24,7 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 from transformers import AutoTokenizer
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.serve.student.verifiers import finish_body, groups_from_traces
 from pipeline.transport.keys import Keys
 from schemas import RolloutGroup

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, TeacherConfigError

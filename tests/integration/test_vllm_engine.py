@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, TeacherConfigError
 from pipeline.teacher.vllm_engine import VLLMEngineConfig, VLLMEngineTeacher

@@ -23,8 +23,8 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline import metrics
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.learner.publish import publish_weights
-from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.models.weights import LATEST, MARKER, folder_name, load_causal_lm
 from pipeline.rollout.students.base import GenParams
 from pipeline.rollout.students.vllm import VLLMStudent

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
+from pipeline.demo.tinymodels import arithmetic_problem, ensure_tiny_models
 from pipeline.models.weights import LATEST, MARKER, folder_name, published_versions, version_of_folder
 from pipeline.transport.keys import Keys
 from tests.redis_server import RedisServer

@@ -74,8 +74,8 @@ def test_the_invariant_names_each_kind_of_violation(tmp_path: Path) -> None:
 def test_torn_versions_are_torn_as_named(tmp_path: Path) -> None:
     """Each way the soak tears a version: no marker; the marker with a shard shorter than it says; the marker
     and every size right, with one tensor all NaN."""
+    from pipeline.demo.tinymodels import ensure_tiny_models
     from pipeline.learner.publish import write_checkpoint
-    from pipeline.models.tinymodels import ensure_tiny_models
     from pipeline.models.weights import MARKER, folder_name, load_causal_lm
 
     student = ensure_tiny_models().student

@@ -321,7 +321,7 @@ async def test_6_push_into_a_full_stream_says_how_many_got_in(
 async def test_7_top_k_above_the_readers_cap_is_refused_at_start_up(
     private_redis: RedisServer, namespace: str, tmp_path: Path
 ) -> None:
-    from pipeline.models.tinymodels import ensure_tiny_models
+    from pipeline.demo.tinymodels import ensure_tiny_models
 
     model = str(ensure_tiny_models().teacher)
     p = dq(private_redis.url, namespace, "worker", "teacher", "--backend", "hf", "--model", model, "--top-k", "300")

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from pipeline.cli.main import main
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.learner.client import AsyncLearner
-from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PromptJob, enqueue_prompts

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.models.taskeval import answer_logprob
-from pipeline.models.tinymodels import arithmetic_problem, ensure_tiny_models
+from pipeline.demo.taskeval import answer_logprob
+from pipeline.demo.tinymodels import arithmetic_problem, ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 
 

@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 from pipeline import metrics
 from pipeline.cli.attention import attention
 from pipeline.cli.streamstats import Snapshot, worker_of
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.learner.publish import publish_weights
-from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.models.weights import MARKER, CheckpointError, folder_name, load_causal_lm, load_weights
 from pipeline.rollout.rewards import exact_match
 from pipeline.rollout.students.base import GenParams

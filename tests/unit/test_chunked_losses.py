@@ -372,7 +372,7 @@ def test_tiny_llama_hidden_states_and_lm_head() -> None:
 def test_real_vocab_model_chunked_losses_equal_the_logits_losses() -> None:
     """The realistic-shape model (vocabulary 151,936): hidden states + lm_head through the chunked losses
     equal the losses on the model's own logits, value and lm_head gradient."""
-    from pipeline.models.tinymodels import ensure_real_vocab_model
+    from pipeline.demo.tinymodels import ensure_real_vocab_model
     from pipeline.models.weights import load_causal_lm
 
     model = load_causal_lm(ensure_real_vocab_model())

@@ -118,7 +118,7 @@ def test_the_loop_is_closed(config: dict[str, Any]) -> None:
         assert cmd[cmd.index("--weights-dir") + 1] == "/weights", name
         assert cmd[cmd.index("--url") + 1] == "http://vllm-student:8000", name
     learner = services["learner"]
-    assert learner["command"][:3] == ["python", "-m", "pipeline.learner.example"]
+    assert learner["command"][:3] == ["python", "-m", "pipeline.demo.learner"]
     assert learner["command"][learner["command"].index("--weights-dir") + 1] == "/weights"
     assert learner["depends_on"]["weights-init"]["condition"] == "service_completed_successfully"
     assert services["weights-init"]["command"] == ["chown", "10001:10001", "/weights"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from pipeline.cli.demo import DemoResult, change, report
+from pipeline.demo.tiny import DemoResult, change, report
 
 
 @pytest.mark.parametrize(("start", "end", "words"), [

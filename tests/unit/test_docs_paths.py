@@ -77,11 +77,11 @@ def dotted_problem(name: str) -> str | None:
 def test_the_path_patterns_find_what_pages_write() -> None:
     paths, dotted = mentions(
         "See `pipeline/transport/bigio.py`, `pipeline/serve/` and `pipeline.stages.runloop.StageRunner`. "
-        "Run `python -m pipeline.learner.example`; read pipeline.config. Not distillq-checkpoint.json, "
+        "Run `python -m pipeline.demo.learner`; read pipeline.config. Not distillq-checkpoint.json, "
         "not tests/unit/test_layers.py, not docs/pipeline.md."
     )
     assert paths == {"pipeline/transport/bigio.py", "pipeline/serve/"}
-    assert dotted == {"pipeline.stages.runloop.StageRunner", "pipeline.learner.example", "pipeline.config"}
+    assert dotted == {"pipeline.stages.runloop.StageRunner", "pipeline.demo.learner", "pipeline.config"}
 
 
 def test_a_missing_module_or_name_is_reported() -> None:

@@ -60,7 +60,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("pipeline.teacher.base.TeacherConfigError", ConfigurationError, RuntimeError),
     ("pipeline.teacher.vocab.VocabMismatchError", ConfigurationError, RuntimeError),
     ("pipeline.transport.sharding.ShardConfigError", ConfigurationError, RuntimeError),
-    ("pipeline.models.realpair.RealPairUnavailable", ConfigurationError, RuntimeError),
+    ("pipeline.demo.realpair.RealPairUnavailable", ConfigurationError, RuntimeError),
     ("pipeline.rollout.students.base.StudentBackendError", BackendError, RuntimeError),
     ("pipeline.rollout.sync_engines.EngineError", BackendError, RuntimeError),
     ("pipeline.teacher.vllm_engine_proc.HookMissing", BackendError, RuntimeError),

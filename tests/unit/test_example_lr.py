@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.learner.example import LearnerConfig, main, set_lr
+from pipeline.demo.learner import LearnerConfig, main, set_lr
 
 
 def _opt() -> torch.optim.Optimizer:

@@ -223,7 +223,7 @@ def test_docs_check_fails_on_a_hand_edited_table(tmp_path: Any) -> None:
 
 
 def test_example_learner_flags_build_its_config(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.learner.example import LearnerSettings, learner_config
+    from pipeline.demo.learner import LearnerSettings, learner_config
 
     p = argparse.ArgumentParser()
     add_flags(p, LearnerSettings)

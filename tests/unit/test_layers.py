@@ -1,7 +1,8 @@
 """The package layout is the architecture: imports run one way between layers, and no module cycle exists.
 
-cli -> workers -> stages -> transport -> (config, metrics, logs) -> schemas; teacher, rollout, models and
-learner sit beside them as drawn in ALLOWED; ``distillq`` (the public API) re-exports from above them all.
+cli commands -> demo -> cli support -> workers -> stages -> transport -> (config, metrics, logs) -> schemas;
+teacher, rollout, models and learner sit beside them as drawn in ALLOWED; ``distillq`` (the public API)
+re-exports from above them all.
 ``pipeline.errors`` (the exception hierarchy, built on ``schemas.errors``) sits below them all: every layer but
 ``schemas`` may import it.
 A new import that breaks a rule fails here with its file.
@@ -37,14 +38,26 @@ ALLOWED: dict[str, set[str]] = {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher",
         "pipeline.rollout", "pipeline.models",
     },
+    # what the commands run: inspection, stats, recovery, the supervisor, embedded Redis
     "pipeline.cli": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
         "pipeline.models", "pipeline.learner", "pipeline.serve", "workers",
     },
+    # the demo, its tiny and real pairs, their tasks and evaluation, the example learner
+    "pipeline.demo": {
+        "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
+        "pipeline.models", "pipeline.learner", "pipeline.serve", "workers", "pipeline.cli",
+    },
+    # the entry point and one module per subcommand: on top of everything
+    "pipeline.cli.commands": {
+        "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
+        "pipeline.models", "pipeline.learner", "pipeline.serve", "workers", "pipeline.cli", "pipeline.demo",
+    },
     # the public API: re-exports only, and no layer imports it
     "distillq": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.learner", "pipeline.serve",
-        "pipeline.teacher", "pipeline.rollout", "pipeline.models", "pipeline.cli",
+        "pipeline.teacher", "pipeline.rollout", "pipeline.models", "pipeline.cli", "pipeline.demo",
+        "pipeline.cli.commands",
     },
 }
 #: Layers every layer but ``schemas`` may import: the exception hierarchy.
@@ -59,6 +72,8 @@ def layer(module: str) -> str:
     if module in BASE or module == "pipeline":
         return "pipeline.base"
     parts = module.split(".")
+    if parts[:3] == ["pipeline", "cli", "commands"] or module == "pipeline.cli.main":
+        return "pipeline.cli.commands"
     if parts[0] == "pipeline":
         return ".".join(parts[:2])
     return parts[0]

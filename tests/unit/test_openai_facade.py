@@ -12,7 +12,7 @@ import torch
 from structlog.testing import capture_logs
 from transformers import AutoTokenizer
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.rewards import get_reward

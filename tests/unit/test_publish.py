@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.learner.publish import publish_weights, write_checkpoint
-from pipeline.models.tinymodels import ensure_tiny_models
 from pipeline.models.weights import (
     LATEST,
     MARKER,

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.demo import realtasks
+from pipeline.demo.realpair import RealPair, prune_record, student_name
 from pipeline.learner.publish import publish_weights
-from pipeline.models import realtasks
 from pipeline.models.prune import kept_layers
-from pipeline.models.realpair import RealPair, prune_record, student_name
 from pipeline.models.weights import load_weights
 
 
@@ -24,7 +24,7 @@ def test_kept_layers_every_other() -> None:
 
 def test_packaged_prompts_are_the_generated_ones() -> None:
     rows = realtasks.load()
-    assert rows == realtasks.generate()  # regenerate: python -m pipeline.models.realtasks
+    assert rows == realtasks.generate()  # regenerate: python -m pipeline.demo.realtasks
     train, held = realtasks.load("train"), realtasks.load("heldout")
     assert len(held) >= 100  # one held-out prompt is at most 1% of the accuracy
     assert len(train) >= 350
@@ -65,8 +65,8 @@ def test_weight_sync_keeps_tied_embeddings(tmp_path: Path) -> None:
 
 
 def test_report_figures_from_the_learner_records() -> None:
-    from pipeline.cli.demo import DemoResult
-    from pipeline.cli.demo_real import summary_lines, task_figures, throughput
+    from pipeline.demo.real import summary_lines, task_figures, throughput
+    from pipeline.demo.tiny import DemoResult
 
     history = [
         {"step": 0.0, "heldout_reverse_kl": 7.0, "heldout_task_accuracy": 0.0, "teacher_task_accuracy": 0.6,
@@ -96,7 +96,7 @@ def test_report_figures_from_the_learner_records() -> None:
 
 
 def test_standard_error_is_binomial() -> None:
-    from pipeline.cli.demo_real import standard_error
+    from pipeline.demo.real import standard_error
 
     assert standard_error(0.5, 100) == pytest.approx(0.05)
     assert standard_error(0.0, 50) == 0.0
@@ -104,9 +104,7 @@ def test_standard_error_is_binomial() -> None:
 
 
 def test_student_cache_name_follows_method_drop_and_prompts() -> None:
-    from pipeline.models.prune import default_prompts
-
-    digest = default_prompts().sha256[:8]
+    digest = realtasks.train_prompts().sha256[:8]
     assert student_name("block-influence", 3) == f"student-block-influence-drop3-{digest}"
     assert student_name("block-influence", 5) != student_name("block-influence", 3)
     assert student_name("alternate", None) == "student-alternate"
@@ -124,3 +122,9 @@ def test_pair_describes_its_student_from_prune_json(tmp_path: Path) -> None:
     (student / "prune.json").write_text(json.dumps({"method": "alternate", "layers": 4, "drop": 2,
                                                     "dropped": [1, 3], "kept": [0, 2]}))
     assert pair.describe() == "2 of 4 layers, 2 (every other) dropped: 1, 3"
+
+
+def test_train_prompts_are_the_packaged_train_split() -> None:
+    prompts = realtasks.train_prompts()
+    assert [p for p in prompts.items] == [r["messages"] for r in realtasks.load("train")]
+    assert len(prompts.items) > 100 and prompts.source.endswith("(train split)")

@@ -10,7 +10,7 @@ import pytest
 from structlog.testing import capture_logs
 from transformers import AutoTokenizer
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.rollout.refusals import CheckpointRefusals
 from pipeline.rollout.rewards import exact_match
 from pipeline.rollout.students.base import Completion, GenParams

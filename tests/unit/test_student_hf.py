@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.rollout.rewards import get_reward
 from pipeline.rollout.sampler import sample_group

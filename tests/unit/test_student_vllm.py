@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.models.tinymodels import ensure_tiny_models
+from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.rollout.openai_facade import TrackedClient
 from pipeline.rollout.students.base import GenParams, StudentBackendError
 from pipeline.rollout.students.vllm import VLLMStudent, default_timeout, parse_choice

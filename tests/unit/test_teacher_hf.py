@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipeline.models.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models
+from pipeline.demo.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, plan_chunks
@@ -331,7 +331,7 @@ async def test_fallback_when_logits_are_not_lm_head_of_hidden(model: Any, starte
 PEAK_SCRIPT = """
 import json, sys
 import numpy as np, torch
-from pipeline.models.tinymodels import ensure_real_vocab_model
+from pipeline.demo.tinymodels import ensure_real_vocab_model
 from pipeline.models.weights import load_causal_lm
 from pipeline.teacher.base import ScoreRequest, ScoreResult
 from pipeline.teacher.hf import HFTeacher

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.models.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models
+from pipeline.demo.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.teacher.base import ScoreRequest, ScoreResult, TeacherConfigError
 from pipeline.teacher.hf import HFTeacher, resolve_dtype

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from pipeline.models.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models
+from pipeline.demo.tinymodels import REAL_VOCAB_SIZE, ensure_real_vocab_model, ensure_tiny_models
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreFailure, ScoreRequest, ScoreResult, TeacherConfigError, rows_sorted

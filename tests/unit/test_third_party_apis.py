@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from pipeline.demo.tinymodels import ensure_tiny_models  # noqa: E402
 from pipeline.models.kvcache import NEW_NAME, OLD_NAME, cache_argument, output_cache, with_cache  # noqa: E402
-from pipeline.models.tinymodels import ensure_tiny_models  # noqa: E402
 from pipeline.models.weights import load_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error")

@@ -83,7 +83,7 @@ def _embedded(missing: str | None = None) -> EmbeddedRedis:
 
 def prepare_redis(settings: RedisSettings, console: Console) -> None:
     """Refuse a namespace that a running pipeline uses; delete what an earlier run left in it."""
-    from pipeline.cli.demo import clear_namespace, live_workers
+    from pipeline.demo.tiny import clear_namespace, live_workers
 
     keys = namespace_keys(settings)
     live = run(live_workers(settings, keys))
@@ -97,7 +97,7 @@ def prepare_redis(settings: RedisSettings, console: Console) -> None:
 
 def prepare_out(args: argparse.Namespace, console: Console) -> None:
     """Replace an earlier run's outputs in ``--out``, saying so; or check that ``--resume`` has one to go on from."""
-    from pipeline.cli.demo import clear_outputs, read_history
+    from pipeline.demo.tiny import clear_outputs, read_history
 
     if args.resume:
         history = read_history(args.out / "metrics.jsonl")
@@ -129,12 +129,12 @@ def main(args: argparse.Namespace) -> int:
         from pipeline.cli.commands.demo_real import main as main_real
 
         return main_real(args)
-    from pipeline.cli.demo import DemoConfig, can_resume, plot, report, run_pipeline
-    from pipeline.models.pretrain import train_teacher
-    from pipeline.models.tinymodels import ensure_tiny_models
+    from pipeline.demo.pretrain import train_teacher
+    from pipeline.demo.tiny import DemoConfig, can_resume, plot, report, run_pipeline
+    from pipeline.demo.tinymodels import ensure_tiny_models
 
     if args.student == "vllm":
-        from pipeline.cli.demo_vllm import missing_line, vllm_python
+        from pipeline.demo.vllm_student import missing_line, vllm_python
 
         if vllm_python() is None:
             raise CliError(missing_line(), EXIT_USAGE)
@@ -155,13 +155,13 @@ def main(args: argparse.Namespace) -> int:
             teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
                 f"training the teacher: step {s + 1}, loss {loss:.3f}"))
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
-        from pipeline.cli.demo_vllm import START_S
+        from pipeline.demo.vllm_student import START_S
 
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
                          rollout_workers=args.rollout_workers, resume=args.resume,
                          student_backend=args.student,
                          timeout_s=(args.timeout or 240.0) + (START_S if args.student == "vllm" else 0.0))
-        from pipeline.cli.demo import enqueue
+        from pipeline.demo.tiny import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")
         result = run_pipeline(cfg, tiny.student, teacher, console)

@@ -27,8 +27,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipeline.cli.demo import report
-    from pipeline.cli.demo_real import (
+    from pipeline.demo.real import (
         RealDemoConfig,
         enqueue,
         final_eval,
@@ -39,13 +38,14 @@ def main(args: argparse.Namespace) -> int:
         task_figures,
         throughput,
     )
-    from pipeline.models.realpair import (
+    from pipeline.demo.realpair import (
         DEFAULT_DROP,
         DEFAULT_METHOD,
         RealPair,
         RealPairUnavailable,
         ensure_real_pair,
     )
+    from pipeline.demo.tiny import report
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)

@@ -30,12 +30,12 @@ from pipeline.cli.commands.common import (
     with_redis,
 )
 from pipeline.cli.deadletters import ORIG, TARGETS, PromptReplay, Refusal
-from pipeline.cli.inspect import one_line, summarize_entry, summarize_message
 from pipeline.cli.locate import advice
 from pipeline.cli.namespaces import absent_note
 from pipeline.cli.recovery import DeadLetterIndex, assess, dead_letter_index, send_again
 from pipeline.cli.resample import dlq_resample, replay_prompt
 from pipeline.cli.streamstats import server_time
+from pipeline.cli.summaries import one_line, summarize_entry, summarize_message
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.stages.exits import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.keys import Keys

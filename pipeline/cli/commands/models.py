@@ -67,12 +67,14 @@ def add_prune_parser(msub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def main_prune(args: argparse.Namespace) -> int:
+    from pipeline.demo.realtasks import train_prompts
     from pipeline.errors import ConfigurationError
     from pipeline.models.prune import Prompts, prune_folder, read_prompts
 
     try:
-        prompts: Prompts | None = read_prompts(args.prompts) if args.prompts is not None and \
-            args.by == "block-influence" else None
+        prompts: Prompts | None = None
+        if args.by == "block-influence":
+            prompts = read_prompts(args.prompts) if args.prompts is not None else train_prompts()
         result = prune_folder(args.src, args.out, drop=args.drop, by=args.by, prompts=prompts,
                               progress=lambda line: print(line + "...", file=sys.stderr, flush=True))
     except ConfigurationError as e:
@@ -99,8 +101,8 @@ def _shell(argv: list[str]) -> str:
 
 
 def commands(student: Path, teacher: Path, out: Path, url: str, namespace: str, prompts: Path | None) -> list[str]:
-    """The demo's processes (``pipeline.cli.demo.process_specs``) as shell commands, after ``enqueue``."""
-    from pipeline.cli.demo import DemoConfig, process_specs
+    """The demo's processes (``pipeline.demo.tiny.process_specs``) as shell commands, after ``enqueue``."""
+    from pipeline.demo.tiny import DemoConfig, process_specs
 
     where = ["--redis-url", url, "--namespace", namespace]
     cmds = [shlex.join(["distillq", "enqueue", str(prompts or "prompts.jsonl"), *where])]
@@ -110,7 +112,7 @@ def commands(student: Path, teacher: Path, out: Path, url: str, namespace: str, 
 
 
 def write_prompts(path: Path, n: int) -> None:
-    from pipeline.models.tinymodels import arithmetic_problem
+    from pipeline.demo.tinymodels import arithmetic_problem
 
     rng = random.Random(7)
     lines = []
@@ -122,8 +124,8 @@ def write_prompts(path: Path, n: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pipeline.config import env
-    from pipeline.models.pretrain import train_teacher
-    from pipeline.models.tinymodels import ensure_tiny_models
+    from pipeline.demo.pretrain import train_teacher
+    from pipeline.demo.tinymodels import ensure_tiny_models
 
     print("building the tiny models and training the teacher (cached after the first run)...", file=sys.stderr)
     tiny = ensure_tiny_models()

@@ -15,7 +15,14 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipeline.cli.commands.common import add_command, run_output, stream_name, with_redis
-from pipeline.cli.inspect import TokenDecoder, decode_entry, decode_sequence, format_decoded, one_line, summarize_entry
+from pipeline.cli.summaries import (
+    TokenDecoder,
+    decode_entry,
+    decode_sequence,
+    format_decoded,
+    one_line,
+    summarize_entry,
+)
 from pipeline.config import add_redis_args, env
 from pipeline.stages.exits import EXIT_USAGE, CliError
 from pipeline.transport.consumer import resolve_payloads

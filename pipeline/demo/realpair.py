@@ -129,9 +129,9 @@ def student_name(by: Method, drop: int | None) -> str:
     digits of the sha256 of the prompts it was measured on (the packaged file)."""
     if by == "alternate":
         return "student-alternate"
-    from pipeline.models.prune import default_prompts
+    from pipeline.demo.realtasks import train_prompts
 
-    return f"student-{by}-drop{drop}-{default_prompts().sha256[:8]}"
+    return f"student-{by}-drop{drop}-{train_prompts().sha256[:8]}"
 
 
 def _ensure_teacher(src: Path, root: Path, progress: Callable[[str], None] | None) -> Path:
@@ -172,6 +172,7 @@ def ensure_real_pair(
     train prompts first: minutes on a 2-core machine). ``ConfigurationError`` for a method or ``drop`` the prune
     library refuses.
     """
+    from pipeline.demo.realtasks import train_prompts
     from pipeline.models.prune import METHODS, PRUNE_FILE, prune_folder
 
     if by not in METHODS:
@@ -186,7 +187,8 @@ def ensure_real_pair(
         if progress:
             progress(f"pruning the student ({by}, " + ("every other layer" if drop is None else f"drop {drop}") + ")")
         try:
-            prune_folder(teacher, student, drop=drop, by=by, progress=progress)
+            prompts = train_prompts() if by == "block-influence" else None
+            prune_folder(teacher, student, drop=drop, by=by, prompts=prompts, progress=progress)
         except ConfigurationError:
             if not (student / PRUNE_FILE).is_file():  # not another builder's finished student
                 raise

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.models.tinymodels import TinyModels, all_problems
+from pipeline.demo.tinymodels import TinyModels, all_problems
 from pipeline.models.weights import load_causal_lm
 
 

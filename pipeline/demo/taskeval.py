@@ -1,6 +1,6 @@
 """The held-out task metrics of a chat model on prompts with checkable answers.
 
-Prompts are the rows of ``pipeline.models.realtasks`` (``messages``, ``answer`` and ``accept``). Accuracy: each
+Prompts are the rows of ``pipeline.demo.realtasks`` (``messages``, ``answer`` and ``accept``). Accuracy: each
 is answered greedily with at most ``max_new`` tokens, in left-padded batches, and is right when
 ``realtasks.is_correct`` says so. Answer log-likelihood: the mean log-probability per token the model gives the
 row's reference ``answer`` right after the generation prompt (teacher-forced), averaged over the rows: a
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pipeline.models.realtasks import is_correct
+from pipeline.demo.realtasks import is_correct
 
 
 @torch.inference_mode()

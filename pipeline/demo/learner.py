@@ -1,6 +1,6 @@
 """An example learner that trains a (tiny, local) student on the feeder's batches.
 
-    python -m pipeline.learner.example --student DIR --weights-dir DIR [--eval-teacher DIR] --steps 300
+    python -m pipeline.demo.learner --student DIR --weights-dir DIR [--eval-teacher DIR] --steps 300
 
 Per step: read a batch (``pipeline.learner.client.Learner``), ``to_torch`` it, and minimise
 
@@ -38,13 +38,13 @@ import torch
 from pydantic import Field
 
 from pipeline.config import add_redis_args
+from pipeline.demo.tinymodels import arithmetic_problem
 from pipeline.errors import ConfigurationError
 from pipeline.flags import Flag, FlagSettings, HelpFormatter, add_flags, from_args
 from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner
 from pipeline.learner.torch_batch import to_torch
-from pipeline.models.tinymodels import arithmetic_problem
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.exits import run_command
 from schemas import TrainBatch
@@ -79,7 +79,7 @@ class LearnerConfig:
 
 
 def heldout_prompts(tokenizer: Any, n: int, seed: int = 12345) -> list[list[int]]:
-    from pipeline.models.pretrain import chat_ids
+    from pipeline.demo.pretrain import chat_ids
 
     rng = random.Random(seed)
     return [chat_ids(tokenizer, arithmetic_problem(rng, "heldout")[0]) for _ in range(n)]
@@ -125,13 +125,13 @@ class Evaluator:
         return kl
 
     def task(self, model: Any) -> float:
-        from pipeline.models.taskeval import task_accuracy
+        from pipeline.demo.taskeval import task_accuracy
 
         return self._on_task(model, lambda: task_accuracy(model, self.tokenizer, self.task_rows,
                                                           max_new=self.cfg.eval_max_new))  # fmt: skip
 
     def answer_logprob(self, model: Any) -> float:
-        from pipeline.models.taskeval import answer_logprob
+        from pipeline.demo.taskeval import answer_logprob
 
         return self._on_task(model, lambda: answer_logprob(model, self.tokenizer, self.task_rows))
 
@@ -278,7 +278,7 @@ def _lr_decay(text: str) -> str:
 
 
 class LearnerSettings(FlagSettings):
-    """``python -m pipeline.learner.example``'s flags (``pipeline.flags``; none is read from the environment but
+    """``python -m pipeline.demo.learner``'s flags (``pipeline.flags``; none is read from the environment but
     ``--redis-url``/``--namespace``, ``RedisSettings``)."""
 
     student: Annotated[str, Flag(metavar="DIR")] = Field(description="the student model folder it starts from")
@@ -327,7 +327,7 @@ def learner_config(s: LearnerSettings, redis_url: str | None, namespace: str | N
 def main(argv: list[str] | None = None) -> int:
     from pipeline.logs import configure_logging
 
-    p = argparse.ArgumentParser(prog="python -m pipeline.learner.example", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m pipeline.demo.learner", description=__doc__.split("\n")[0],
                                 formatter_class=HelpFormatter)
     add_flags(p, LearnerSettings)
     add_redis_args(p)

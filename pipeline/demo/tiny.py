@@ -30,8 +30,8 @@ from rich.table import Table
 
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
+from pipeline.demo.tinymodels import arithmetic_problem
 from pipeline.learner.checkpoint import LATEST
-from pipeline.models.tinymodels import arithmetic_problem
 from pipeline.models.weights import latest as latest_published
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import Keys
@@ -56,7 +56,7 @@ class DemoConfig:
     timeout_s: float = 240.0
     eval_every: int = 25
     resume: bool = False  # go on from the learner's checkpoint in out/weights instead of starting clean
-    student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.cli.demo_vllm)
+    student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.demo.vllm_student)
 
     def settings(self) -> RedisSettings:
         return RedisSettings(redis_url=self.redis_url, namespace=self.namespace)
@@ -137,7 +137,7 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
         for i in range(cfg.rollout_workers)
     ]
     if cfg.student_backend == "vllm":
-        from pipeline.cli import demo_vllm
+        from pipeline.demo import vllm_student as demo_vllm
 
         python, port = demo_vllm.vllm_python(), demo_vllm.free_port()
         assert python is not None, demo_vllm.missing_line()
@@ -155,7 +155,7 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
             "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness", "3",
             "--max-ready-batches", "2",  # a learner publishing every step: ready batches stay within the bound
             "--max-wait", "0.5", "--kl-coef", "1.0", "--consumer-name", "feeder-0")),
-        ProcSpec("learner", [*distillq_argv()[:2], "pipeline.learner.example", "--student", str(student),
+        ProcSpec("learner", [*distillq_argv()[:2], "pipeline.demo.learner", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(first_step + cfg.steps),
                              "--eval-teacher", str(teacher),
                              "--eval-every", str(cfg.eval_every), "--metrics-file", str(cfg.out / "metrics.jsonl"),
