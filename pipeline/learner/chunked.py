@@ -33,7 +33,7 @@ covered. Alignment is that of the logits: the losses take ``hidden[:, :-1]``, pa
 
     hidden = model.model(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long()).last_hidden_state
     h, w = hidden[:, :-1], model.lm_head.weight
-    pg = importance_sampled_pg_loss(h, w, tb.labels, tb.student_logprobs, tb.advantages, tb.loss_mask, clip=0.2)
+    pg = importance_sampled_pg_loss(h, w, tb.labels, tb.student_logprobs, tb.advantages, tb.loss_mask)  # clip 0.2
     kd = topk_forward_kl(h, w, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask, mode="tail")
 
 Each call makes its own pass over the lm_head; to share one pass between the labels and the top-k ids, call
@@ -51,6 +51,7 @@ from torch.autograd.function import once_differentiable
 
 from pipeline.learner import losses as L
 from pipeline.learner.losses import (
+    DEFAULT_CLIP,
     TAIL_EPS,
     Reduction,
     TopKMode,
@@ -61,6 +62,7 @@ from pipeline.learner.losses import (
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_CLIP",
     "Reduction",
     "TopKMode",
     "gather_logprobs",
@@ -232,7 +234,7 @@ def importance_sampled_pg_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip: float | None = None,
+    clip: float | None = DEFAULT_CLIP,
     *,
     reduction: Reduction = "mean",
     bias: torch.Tensor | None = None,
@@ -241,7 +243,8 @@ def importance_sampled_pg_loss(
     """``losses.importance_sampled_pg_loss(token_logprobs(logits, labels), old_logprobs, advantages, mask, clip)``.
 
     The student's logprobs of ``labels`` are computed from ``hidden``/``weight`` at the positions of ``mask``
-    only (the loss ignores the others); ``clip`` and ``reduction`` are those of the original.
+    only (the loss ignores the others); ``clip`` (PPO, ``DEFAULT_CLIP`` = 0.2 by default; ``None``: unclipped) and
+    ``reduction`` are those of the original.
     """
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0 or None, got {clip!r}")

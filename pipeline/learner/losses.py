@@ -24,6 +24,8 @@ import torch
 
 #: Logprob of an empty top-k slot (id 0). ``pipeline.learner.torch_batch`` pads with it.
 PAD_LOGPROB: Final = -1e9
+#: The policy-gradient loss's default PPO clip (``importance_sampled_pg_loss``; ``None``: unclipped).
+DEFAULT_CLIP: Final = 0.2
 #: Smallest tail-bucket probability: ``log(1 - sum(top-k probs))`` is clamped to ``log(TAIL_EPS)``.
 TAIL_EPS: Final = 1e-6
 
@@ -82,15 +84,19 @@ def importance_sampled_pg_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip: float | None = None,
+    clip: float | None = DEFAULT_CLIP,
     *,
     reduction: Reduction = "mean",
 ) -> torch.Tensor:
-    """Importance-sampled policy gradient ``-(ratio * adv)``, ``ratio = exp(new - old)``.
+    """Importance-sampled policy gradient, PPO-clipped by default.
 
     All inputs ``[B, N]``: ``new_logprobs`` (with gradient, e.g. ``token_logprobs``), ``old_logprobs`` (the
-    sampler's, detached), ``advantages`` (detached). With ``clip = eps`` the PPO pessimistic form
-    ``max(-ratio * adv, -clamp(ratio, 1 - eps, 1 + eps) * adv)`` is used.
+    sampler's, detached), ``advantages`` (detached); ``ratio = exp(new - old)``. With ``clip = eps`` (default
+    ``DEFAULT_CLIP`` = 0.2) the loss is PPO's pessimistic form ``max(-ratio * adv, -clamp(ratio, 1 - eps, 1 + eps)
+    * adv)``: a token whose ratio has already moved more than ``eps`` in the direction its advantage favours
+    contributes no gradient, so the trained policy cannot run far from the (stale) policy that sampled the
+    batch. ``clip=None`` is the plain ``-ratio * adv``, unbounded in the ratio: on batches sampled several
+    policy versions back it drifts from the sampler without limit (tests/unit/test_pg_clip_staleness.py).
     """
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0 or None, got {clip!r}")

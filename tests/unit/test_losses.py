@@ -263,9 +263,9 @@ def test_is_pg_value_ratio_and_clip() -> None:
     old = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, -3.0, 2.0]])
     mask = torch.ones(1, 3)
-    loss = L.importance_sampled_pg_loss(new, old, adv, mask)
+    loss = L.importance_sampled_pg_loss(new, old, adv, mask, clip=None)
     assert loss.item() == pytest.approx(-(2.0 * 1 - 3.0 + 0.5 * 2) / 3)
-    clipped = L.importance_sampled_pg_loss(new, old, adv, mask, clip=0.2)
+    clipped = L.importance_sampled_pg_loss(new, old, adv, mask)  # the default: clip=0.2
     # ratio 2 with adv>0 is clipped to 1.2 (no gradient); ratio 0.5 with adv>0 keeps the unclipped term.
     assert clipped.item() == pytest.approx(-(1.2 * 1 - 3.0 + 0.5 * 2) / 3)
     clipped.backward()
