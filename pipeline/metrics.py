@@ -37,6 +37,11 @@ TEACHER_GROUPS: Final = Counter("distillq_teacher_groups_total", "groups scored,
 TEACHER_DROPS: Final = Counter("distillq_teacher_drops_total", "distill payloads dropped, by reason", ["reason"])
 TEACHER_TOKENS: Final = Counter("distillq_teacher_tokens_total", "tokens scored by the teacher")
 TEACHER_LATENCY: Final = Histogram("distillq_teacher_call_seconds", "teacher backend call latency")
+POOL_GROUPS: Final = Counter("distillq_pool_groups_total", "groups scored, by teacher pool and status",
+                             ["pool", "status"])
+POOL_TOKENS: Final = Counter("distillq_pool_tokens_total", "tokens scored, by teacher pool", ["pool"])
+POOL_BATCHED: Final = Counter("distillq_pool_batched_groups_total", "groups the feeder batched, by teacher pool",
+                              ["pool"])
 
 STUDENT_SESSIONS: Final = Gauge("distillq_student_sessions", "rollouts tracked by the student server")
 STUDENT_SESSIONS_EVICTED: Final = Counter(

@@ -132,6 +132,7 @@ class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True, tag="scored", tag_f
     teacher_id: str = ""  # model name and self-test checksum of the scoring teacher
     scored_at: float = 0.0
     schema: int = SCHEMA_VERSION
+    pool: str = "default"  # the teacher pool that scored it (``schemas.pools``; ``group_overrides.teacher``)
 
     @property
     def group_id(self) -> str:
@@ -175,6 +176,7 @@ class GroupHeader(msgspec.Struct, frozen=True, kw_only=True):
     payload_bytes: int = 0
     created_at: float = 0.0
     schema: int = SCHEMA_VERSION
+    pool: str = "default"  # the teacher pool that scored the group
 
 
 class GroupRef(msgspec.Struct, frozen=True, array_like=True):

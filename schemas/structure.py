@@ -11,6 +11,7 @@ import numpy as np
 
 from schemas.arrays import FLOAT16, FLOAT32, INT32, UINT8, Array
 from schemas.messages import SCHEMA_VERSION, DistillStatus, Message, RolloutGroup, ScoredGroup, Sequence, TrainBatch
+from schemas.pools import TEACHER_FIELD, pool_problem
 from schemas.validate import Limits, validate
 
 # --- fast structural path for decoded messages -------------------------------------------------------
@@ -86,11 +87,14 @@ def _rollout_ok(g: RolloutGroup, limits: Limits) -> bool:
         k = g.group_overrides.get("teacher_top_k")
         if k is not None and type(k) is not int:
             return False
+        pool = g.group_overrides.get(TEACHER_FIELD)
+        if pool is not None and pool_problem(pool) is not None:
+            return False
     return True
 
 
 def _scored_ok(s: ScoredGroup, limits: Limits) -> bool:
-    if not _rollout_ok(s.group, limits):
+    if not _rollout_ok(s.group, limits) or pool_problem(s.pool) is not None:
         return False
     teacher = s.teacher
     if s.status is not DistillStatus.OK:

@@ -52,6 +52,7 @@ from schemas.messages import (
     TeacherPayload,
     TrainBatch,
 )
+from schemas.pools import TEACHER_FIELD, pool_problem
 
 MiB = 1 << 20
 
@@ -400,6 +401,9 @@ def validate_rollout(g: RolloutGroup, limits: Limits, name: str = "group") -> No
     k = g.overrides.get("teacher_top_k")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
         raise DecodeError(f"{name}.group_overrides.teacher_top_k", f"must be an integer, got {k!r}")
+    pool = g.overrides.get(TEACHER_FIELD)
+    if pool is not None and (problem := pool_problem(pool)) is not None:
+        raise DecodeError(f"{name}.group_overrides.{TEACHER_FIELD}", problem)
 
 
 def validate_teacher_part(s: ScoredGroup, limits: Limits, name: str = "scored") -> None:
@@ -433,6 +437,8 @@ def validate_teacher_part(s: ScoredGroup, limits: Limits, name: str = "scored") 
 
 def validate_scored(s: ScoredGroup, limits: Limits, name: str = "scored") -> None:
     validate_rollout(s.group, limits, f"{name}.group")
+    if (problem := pool_problem(s.pool)) is not None:
+        raise DecodeError(f"{name}.pool", problem)
     validate_teacher_part(s, limits, name)
 
 

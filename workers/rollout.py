@@ -18,6 +18,7 @@ from pipeline.rollout.students.base import StudentBackend
 from pipeline.stages.rollout_stage import RolloutConfig, RolloutStage, published_version
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.keys import Keys
+from schemas.pools import pool_problem
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import RolloutSettings, gen_params, student_urls
 
@@ -63,11 +64,13 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     stage = RolloutStage(make_backend(args), get_reward(args.reward), cfg, published_version(redis, keys))
     shards, _ = await shard_plan(args, redis, keys, stop)
     worker = RolloutWorker(redis, keys, stage, stream_settings(args), consumer_name=args.consumer_name, shards=shards,
-                           max_jobs=args.max_jobs, burst=args.burst)
+                           max_jobs=args.max_jobs, burst=args.burst, teacher=args.teacher)
     await worker.run(stop)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.teacher is not None and (problem := pool_problem(args.teacher)) is not None:
+        raise ConfigurationError(f"--teacher: {problem}")
     return run_stage("rollout", args, serve)
 
 

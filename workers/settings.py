@@ -65,6 +65,11 @@ class WorkerSettings(FlagSettings):
 class TeacherSettings(FlagSettings):
     """``distillq worker teacher``: the teacher backend and how groups are scored."""
 
+    pool: Annotated[str, Flag(env="TEACHER_POOL", metavar="NAME")] = Field(
+        "default", description="the teacher pool this worker serves: it scores the groups whose "
+                               "`group_overrides.teacher` names it; the pool `default` scores those that name none "
+                               "([teacher-pools.md](teacher-pools.md))")
+
     backend: Annotated[TeacherBackendName, Flag(env="TEACHER_BACKEND")] = Field(
         "vllm", description="`vllm`, `sglang` (HTTP servers), `vllm-engine` (vLLM's engine in a child process of the "
                             "worker, top-k as arrays; [below](#the-vllm-engine-backend)), `hf` (local transformers "
@@ -244,6 +249,9 @@ class RolloutSettings(FlagSettings):
     reward: Annotated[str, Flag(env="REWARD", metavar="NAME")] = Field(
         "none", description=f"reward function: {_rewards()}")
     max_jobs: Annotated[int, Flag(env="MAX_JOBS", metavar="N")] = Field(4, description="prompts sampled at once")
+    teacher: Annotated[str | None, Flag(env="ROLLOUT_TEACHER", metavar="NAME", default_text="`default`")] = Field(
+        None, description="the teacher pool of the groups of prompts that name none (a prompt's `teacher`, or its "
+                          "`group_overrides.teacher`, wins) ([teacher-pools.md](teacher-pools.md))")
     weights_dir: Annotated[str | None, Flag(env="WEIGHTS_DIR", metavar="DIR")] = Field(
         None, description="keep the student on the newest version a learner publishes there (`publish_weights`): hf "
                           "reloads it in process; vllm reloads every `--url` server in place and tags each group with "

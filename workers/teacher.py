@@ -15,8 +15,10 @@ from pipeline.stages.runloop import StageRunner
 from pipeline.stages.scoring import Scorer
 from pipeline.stages.teacher_stage import TeacherStage
 from pipeline.teacher.base import TeacherBackend, TeacherConfigError
-from pipeline.transport.keys import Keys
+from pipeline.transport.keys import Keys, pool_stream
+from pipeline.transport.pools import register_pool
 from schemas import RolloutGroup
+from schemas.pools import pool_problem
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import (
     Dtype,
@@ -106,7 +108,8 @@ async def _checked(backend: TeacherBackend, args: argparse.Namespace) -> Scorer:
         check_same_vocab(teacher_tok, args.student_tokenizer)
     checksum = await self_test_checksum(backend)
     log.info("teacher_ready", identity=backend.identity, max_k=backend.max_k, top_k=args.top_k, self_test=checksum)
-    return Scorer(backend, scoring_config(from_args(TeacherSettings, args)), limits=stream_settings(args).limits())
+    return Scorer(backend, scoring_config(from_args(TeacherSettings, args)), limits=stream_settings(args).limits(),
+                  pool=args.pool)
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
@@ -114,16 +117,24 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     try:
         s = stream_settings(args)
         shards, assigned = await shard_plan(args, redis, keys, stop)
+        await register_pool(redis, keys, args.pool)
         runner = StageRunner(redis, keys, TeacherStage(scorer, drops_to_dlq=args.on_drop == "dlq"), RolloutGroup,
-                             "rollouts", "scored", s, consumer_name=args.consumer_name, shards=shards,
+                             pool_stream(args.pool), "scored", s, consumer_name=args.consumer_name, shards=shards,
                              assigned=assigned)
         await runner.run(stop, burst=args.burst)
     finally:
         await backend.close()
 
 
+def check_pool_flag(args: argparse.Namespace) -> None:
+    """``--pool`` is a valid pool name, else a ``ConfigurationError`` (exit status 2, one line)."""
+    if (problem := pool_problem(args.pool)) is not None:
+        raise TeacherConfigError(f"--pool: {problem}")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the stage; a configuration it refuses raises a ``ConfigurationError`` (``run_command``: exit status 2)."""
+    check_pool_flag(args)
     return run_stage("teacher", args, serve)
 
 

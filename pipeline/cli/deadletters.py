@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from pipeline.transport.consumer import dead_letter_category
+from pipeline.transport.keys import family as stream_family
 from pipeline.transport.producer import F_DATA
 from schemas import BatchManifest, DecodeError, Limits, Message, RolloutGroup, ScoredGroup, TrainBatch, decode
 
@@ -140,7 +141,7 @@ def first_look(fields: dict[bytes, bytes], to: str | None, limits: Limits, *, fo
         return Refusal(f"{reason}: a replay would be dropped as stale again", resample_hint(gid))
     if fam in REPEATS and not force:
         return Refusal(f"{fam}: a replay fails the same way", f"{REPEATS[fam]}, then distillq dlq replay --force ID")
-    target = to or text(fields.get(b"source"))
+    target = to or stream_family(text(fields.get(b"source")))  # a teacher pool's stream (rollouts.P): rollouts
     if target == "prompts":
         return PromptReplay()
     expect = TARGETS.get(target)

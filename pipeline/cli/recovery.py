@@ -32,9 +32,11 @@ from pipeline.cli.deadletters import (
 from pipeline.cli.groupscan import batches_listing, find_entries, index_entries
 from pipeline.config import StreamSettings
 from pipeline.transport.claimcheck import encode_header
-from pipeline.transport.keys import Keys
+from pipeline.transport.keys import Keys, pool_stream
+from pipeline.transport.pools import known_pools
 from pipeline.transport.producer import F_DATA, F_ID, WRITTEN, Added, StreamProducer, is_written, message_type
 from schemas import DecodeError, Limits, Message, RolloutGroup, ScoredGroup, decode, encode
+from schemas.pools import pool_of
 
 #: How far (ms) a ``written`` marker's write time may be from its batch entry's id (same transaction).
 WRITE_TIME_SLACK_MS: Final = 50
@@ -143,7 +145,8 @@ async def clear_markers(redis: aioredis.Redis, keys: Keys, group_id: str, shards
     """Forget that ``group_id`` was written to rollouts and scored (and why the feeder dropped it), so that it
     flows through the teacher and the feeder again; ``batches``: its batches marker too (only for a group
     proven untrained, see ``batch_state``); ``atropos``: the ``serve atropos`` queue's marker."""
-    doomed = [keys.seen("rollouts", group_id, shards), keys.seen("scored", group_id, shards), keys.dropped(group_id)]
+    rollouts = [keys.seen(pool_stream(p), group_id, shards) for p in await known_pools(redis, keys)]  # every pool's
+    doomed = [*rollouts, keys.seen("scored", group_id, shards), keys.dropped(group_id)]
     if batches:
         doomed.append(keys.seen("batches", group_id))
     if atropos:
@@ -160,7 +163,10 @@ async def send_again(redis: aioredis.Redis, keys: Keys, plan: Replay, settings: 
     if gid:
         await clear_markers(redis, keys, gid, shards, batches=plan.clear_batches,
                             atropos=stage == ATROPOS_STAGE and plan.target == "scored")
-    producer = StreamProducer(redis, keys, plan.target, settings, dedupe=False, shards=shards)
+    target = plan.target  # a group to be scored again goes to its teacher pool's stream
+    if target == "rollouts" and isinstance(msg, RolloutGroup):
+        target = pool_stream(pool_of(msg.group_overrides))
+    producer = StreamProducer(redis, keys, target, settings, dedupe=False, shards=shards)
     payload = encode(msg)
     header = encode_header(msg, len(payload)) if producer.claim_check else None
     mid = gid or getattr(msg, "batch_id", "")

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 import structlog
+from msgspec.structs import replace
 from structlog.contextvars import bound_contextvars
 
 from pipeline import metrics
@@ -37,8 +38,10 @@ from pipeline.stages.runloop import bookkeep, drained, send_waiting
 from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import MessageTooLarge, StreamProducer, is_written
+from pipeline.transport.pools import PoolProducer
+from pipeline.transport.producer import MessageTooLarge, is_written
 from pipeline.transport.prompts import STREAM, BadPrompt, PromptEntry, note
+from schemas.pools import pool_of
 
 log = structlog.get_logger("distillq.rollout")
 #: How long a prompt whose sample failed stays leased before it is released for another try (by its delivery
@@ -60,13 +63,15 @@ class RolloutWorker:
         shards: int = 1,
         max_jobs: int = 4,
         burst: bool = False,
+        teacher: str | None = None,
     ) -> None:
         self.redis, self.keys, self.stage = redis, keys, stage
         self.settings = s = settings or StreamSettings()
         self.name = consumer_name or default_consumer_name("rollout")
         self.consumer = StreamConsumer(redis, keys, STREAM, self.name, s, stage="rollout")
-        self.producer = StreamProducer(redis, keys, "rollouts", s, shards=shards)
+        self.producer = PoolProducer(redis, keys, s, shards=shards)  # each group to its teacher pool
         self.shards, self.max_jobs, self.burst = shards, max_jobs, burst
+        self.teacher = teacher  # the teacher pool of prompts that name none (``PromptJob.overrides``)
         self.stats = RunStats()
         self.heartbeat = Heartbeat(redis, keys.heartbeat("rollout", self.name), s.heartbeat_interval_s, stage.report)
 
@@ -120,11 +125,13 @@ class RolloutWorker:
             await self._bookkeep(functools.partial(self.consumer.dead_letter, d, f"decode_error: {e}"))
             self._count("dead_letter")
             return
-        if d.reclaimed and await self._written(entry.group_id):
+        overrides = entry.job.overrides(self.teacher)
+        job = entry.job if overrides is entry.job.group_overrides else replace(entry.job, group_overrides=overrides)
+        if d.reclaimed and await self._written(entry.group_id, pool_of(overrides)):
             await self._finish(d, entry, "already_emitted")
             return
         try:
-            group = await self.stage.sample(entry.job, entry.epoch, entry.group_id)
+            group = await self.stage.sample(job, entry.epoch, entry.group_id)
         except TRANSIENT as e:  # Redis away while sampling: not the prompt's failure; pending, sampled again
             log.warning("redis_unavailable", stage="rollout", error=str(e))
             metrics.REDIS_ERRORS.labels("rollout").inc()
@@ -148,8 +155,8 @@ class RolloutWorker:
                  result=added.result.value)
         await self._finish(d, entry, "emitted" if added.result.value == "added" else "duplicate")
 
-    async def _written(self, gid: str) -> bool:
-        marker = await retry_transient(lambda: self.redis.get(self.keys.seen("rollouts", gid, self.shards)),
+    async def _written(self, gid: str, pool: str) -> bool:
+        marker = await retry_transient(lambda: self.redis.get(self.producer.seen_key(gid, pool)),
                                        deadline_s=60)
         return is_written(marker)
 

@@ -59,6 +59,7 @@ from pipeline.teacher.base import (
 )
 from schemas.build import make_teacher, no_teacher_reason, trained_rows
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
+from schemas.pools import DEFAULT_POOL
 from schemas.validate import DecodeError, InvalidLogprobs, Limits, validate_teacher_part
 
 log = structlog.get_logger(__name__)
@@ -198,8 +199,10 @@ class Scorer:
         limits: Limits | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.time,
+        pool: str = DEFAULT_POOL,
     ) -> None:
         self.backend = backend
+        self.pool = pool  # recorded on every group it scores (``ScoredGroup.pool``)
         self.config = config or ScoringConfig()
         self.limits = limits or Limits(max_k=max(256, self.config.default_k))
         self.stats = stats or ScoringStats()
@@ -271,7 +274,8 @@ class Scorer:
         if outcome is None:
             assert payload is not None and len(payload) == len(group.sequences)
             scored = ScoredGroup(
-                group=group, status=DistillStatus.OK, teacher=payload, k=k, teacher_id=ident, scored_at=now
+                group=group, status=DistillStatus.OK, teacher=payload, k=k, teacher_id=ident, scored_at=now,
+                pool=self.pool,
             )
             try:  # what the feeder will check of the teacher half: a bad payload is dropped, not emitted
                 validate_teacher_part(scored, self.limits)
@@ -288,7 +292,8 @@ class Scorer:
         self.stats.count(status, reason)
         if status is DistillStatus.DROPPED:
             log.warning("teacher_payload_dropped", group_id=group.group_id, reason=reason)
-        return ScoredGroup(group=group, status=status, reason=reason, k=k, teacher_id=ident, scored_at=now)
+        return ScoredGroup(group=group, status=status, reason=reason, k=k, teacher_id=ident, scored_at=now,
+                           pool=self.pool)
 
     async def _score_items(
         self, items: list[_Item], done: dict[int, tuple[DistillStatus, str]]

@@ -33,7 +33,8 @@ class TeacherStage:
         slow_calls = sum(st.timed_out_calls)
         slow = (f"teacher slow: {slow_calls} of the last {len(st.timed_out_calls)} calls timed out after "
                 f"{st.timeout_s:g} s") if slow_calls and st.timeout_s is not None else None
-        return {"status": dict(st.groups), "drops": dict(st.reasons), "tokens_scored": st.tokens_scored,
+        return {"pool": self.scorer.pool, "model": self.scorer.backend.identity, "status": dict(st.groups),
+                "drops": dict(st.reasons), "tokens_scored": st.tokens_scored,
                 "clamped_k": st.clamped_groups, "unhealthy": unhealthy, "slow": slow}
 
     async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
@@ -42,8 +43,10 @@ class TeacherStage:
         out: list[Outcome] = []
         for s in scored:
             metrics.TEACHER_GROUPS.labels(s.status.value).inc()
+            metrics.POOL_GROUPS.labels(s.pool, s.status.value).inc()
             if s.status is DistillStatus.OK:
                 metrics.TEACHER_TOKENS.inc(s.group.num_tokens)
+                metrics.POOL_TOKENS.labels(s.pool).inc(s.group.num_tokens)
             elif s.status is DistillStatus.DROPPED:
                 metrics.TEACHER_DROPS.labels((s.reason or "unknown").split(":", 1)[0]).inc()
             if self.drops_to_dlq and s.status is DistillStatus.DROPPED:

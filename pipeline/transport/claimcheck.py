@@ -21,6 +21,7 @@ import msgspec
 
 from schemas import DecodeError, DistillStatus, GroupHeader, Message, ScoredGroup
 from schemas.messages import SCHEMA_VERSION
+from schemas.pools import pool_problem
 
 #: Streams whose entries reference their payload (the rest carry it inline in field ``d``).
 CLAIM_CHECKED: Final = frozenset({"scored"})
@@ -57,7 +58,7 @@ def header_of(g: ScoredGroup, payload_bytes: int = 0) -> GroupHeader:
     return GroupHeader(
         group_id=g.group_id, policy_version=g.group.policy_version, status=g.status, sequences=len(seqs),
         tokens=sum(s.length for s in seqs), longest=max((s.length for s in seqs), default=0), kl_sum=kl_sum,
-        kl_tokens=kl_n, payload_bytes=payload_bytes, created_at=g.group.created_at or time.time(),
+        kl_tokens=kl_n, payload_bytes=payload_bytes, created_at=g.group.created_at or time.time(), pool=g.pool,
     )
 
 
@@ -86,4 +87,6 @@ def decode_header(data: bytes) -> GroupHeader:
         raise DecodeError("h.tokens", f"{h.sequences} sequences, {h.tokens} tokens, longest {h.longest}: inconsistent")
     if h.kl_sum != h.kl_sum or abs(h.kl_sum) == float("inf"):
         raise DecodeError("h.kl_sum", "not finite")
+    if (problem := pool_problem(h.pool)) is not None:
+        raise DecodeError("h.pool", problem)
     return h

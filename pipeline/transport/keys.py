@@ -12,6 +12,10 @@ key                                                type          written by / me
                                                                  latest entry, the group written, its last error
                                                                  (``transport.prompts``)
 ``{ns:rollouts}`` (shard i of S>1: ``{ns:rollouts:i~n}``)  stream  rollout workers / producers; read by teachers
+``{ns:rollouts.<pool>}`` (``{ns:rollouts.<pool>:i~n}``)  stream  the same, for the groups of teacher pool <pool>
+                                                                 (``pool_stream``; the pool ``default`` is
+                                                                 ``{ns:rollouts}``)
+``ns:pools``                                       set           producers: every teacher pool a group was sent to
 ``{ns:scored}`` (``{ns:scored:i}``)                stream        teacher workers; read by the feeder
 ``{ns:batches}``                                   stream        feeder; read by the learner (never sharded)
 ``{ns:dlq}``                                       stream        any stage: dead letters (stage, reason, bytes)
@@ -71,6 +75,9 @@ key                                                type          written by / me
 
 The ``serve atropos`` keys share one hash tag, ``{ns:atropos}``, so its scripts touch several at once.
 
+Teacher pools (``schemas.pools``): each pool has its own rollouts stream, read by the ``teacher`` consumer group of
+that pool's workers; a pool stream is sharded like ``rollouts``, and its short name is ``rollouts.<pool>``.
+
 Sharding: ``rollouts`` and ``scored`` may be split into S shards (``ns:config`` field ``shards``); a
 group's shard is a stable hash of its group id, so its dedupe marker shares the shard's slot.
 ``batches`` and ``dlq`` are single streams: a batch's dedupe markers (one per group) must share one slot.
@@ -91,6 +98,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from redis.crc import key_slot
+
+from schemas.pools import DEFAULT_POOL, check_pool
 
 #: Short stage-stream names, as the CLI takes them.
 STREAMS: Final = ("prompts", "rollouts", "scored", "batches", "dlq")
@@ -123,6 +132,26 @@ def shard_tag(namespace: str, name: str, shard: int, shards: int) -> str:
     raise RuntimeError(f"no tag found for shard {shard} of {shards}")  # unreachable in practice
 
 
+def family(name: str) -> str:
+    """The stage stream a short name belongs to: ``rollouts.math`` (teacher pool ``math``) -> ``rollouts``."""
+    return name.split(".", 1)[0]
+
+
+def pool_stream(pool: str) -> str:
+    """The short name of teacher pool ``pool``'s rollouts stream: ``rollouts`` for the pool ``default``, else
+    ``rollouts.<pool>``."""
+    return "rollouts" if pool == DEFAULT_POOL else f"rollouts.{check_pool(pool)}"
+
+
+def stream_pool(name: str) -> str | None:
+    """Inverse of ``pool_stream``: the pool a short stream name feeds (None when it is no rollouts stream)."""
+    if name == "rollouts":
+        return DEFAULT_POOL
+    if name.startswith("rollouts."):
+        return name[len("rollouts."):]
+    return None
+
+
 def shard_of(group_id: str, shards: int) -> int:
     """The shard of ``group_id`` among ``shards``: stable across processes, versions and machines."""
     return zlib.crc32(group_id.encode()) % shards if shards > 1 else 0
@@ -153,19 +182,19 @@ class Keys:
         _check(name, "stream name")
         if shard is None or shards <= 1:
             return f"{{{self.namespace}:{name}}}"
-        if name not in SHARDABLE or not 0 <= shard < shards <= MAX_SHARDS:
+        if family(name) not in SHARDABLE or not 0 <= shard < shards <= MAX_SHARDS:
             raise ValueError(f"stream {name!r} has no shard {shard} of {shards}")
         return f"{{{shard_tag(self.namespace, name, shard, shards)}}}"
 
     def streams(self, name: str, shards: int) -> list[str]:
         """Every key of a stage stream: one when unsharded, else one per shard."""
-        if shards <= 1 or name not in SHARDABLE:
+        if shards <= 1 or family(name) not in SHARDABLE:
             return [self.stream(name)]
         return [self.stream(name, i, shards) for i in range(shards)]
 
     def stream_for(self, name: str, group_id: str, shards: int) -> str:
         """The key ``group_id`` is written to."""
-        if shards <= 1 or name not in SHARDABLE:
+        if shards <= 1 or family(name) not in SHARDABLE:
             return self.stream(name)
         return self.stream(name, shard_of(group_id, shards), shards)
 
@@ -196,13 +225,18 @@ class Keys:
         return self.stream("dlq")
 
     def consumer_group(self, stream: str) -> str:
-        return CONSUMER_GROUPS.get(stream, f"{stream}-readers")
+        return CONSUMER_GROUPS.get(family(stream), f"{stream}-readers")
 
     def heartbeat(self, stage: str, consumer: str) -> str:
         return f"{self.namespace}:health:{_check(stage, 'stage')}:{consumer}"
 
     def heartbeat_pattern(self, stage: str = "*") -> str:
         return f"{self.namespace}:health:{stage}:*"
+
+    @property
+    def pools(self) -> str:
+        """The set of teacher pools groups were sent to (``pipeline.transport.pools``), for ``stats``."""
+        return f"{self.namespace}:pools"
 
     @property
     def policy_version(self) -> str:

@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 from pipeline.errors import WireFormatError
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_DATA, F_ID, F_TYPE
+from schemas.pools import TEACHER_FIELD, pool_problem
 
 #: The prompts stream's short name and its entries' type field.
 STREAM: Final = "prompts"
@@ -50,12 +51,26 @@ class PromptJob(msgspec.Struct, frozen=True, kw_only=True):
     task_id: str = ""
     group_overrides: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    teacher: str | None = None  # the teacher pool of its groups (``group_overrides.teacher``, which wins)
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("id must be non-empty")
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' or 'messages' is needed")
+        if self.teacher is not None and (problem := pool_problem(self.teacher)) is not None:
+            raise ValueError(f"teacher: {problem}")
+        pool = (self.group_overrides or {}).get(TEACHER_FIELD)
+        if pool is not None and (problem := pool_problem(pool)) is not None:
+            raise ValueError(f"group_overrides.{TEACHER_FIELD}: {problem}")
+
+    def overrides(self, teacher: str | None = None) -> dict[str, Any] | None:
+        """Its groups' ``group_overrides``: its own, with the teacher pool of ``group_overrides.teacher``, else
+        of the prompt's ``teacher``, else ``teacher`` (a rollout worker's ``--teacher``), else none."""
+        pool = (self.group_overrides or {}).get(TEACHER_FIELD) or self.teacher or teacher
+        if pool is None or pool == (self.group_overrides or {}).get(TEACHER_FIELD):
+            return self.group_overrides
+        return {**(self.group_overrides or {}), TEACHER_FIELD: pool}
 
 
 PROMPT_DECODER = msgspec.json.Decoder(PromptJob)

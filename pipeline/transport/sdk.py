@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from pipeline.config import StreamSettings, redis_settings
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import Keys
+from pipeline.transport.pools import PoolProducer
 from pipeline.transport.producer import Added, StreamProducer
 from pipeline.transport.sharding import get_shards
 from schemas import Limits, RolloutGroup
@@ -42,7 +43,9 @@ class AsyncGroupProducer:
         self._own = redis is None
         self.redis = redis if redis is not None else connect(rs)
         self.settings = settings or StreamSettings()
-        self.producer = StreamProducer(self.redis, Keys(rs.namespace), stream, self.settings)
+        # rollouts: each group to its teacher pool's stream (``group_overrides.teacher``)
+        self.producer = (PoolProducer(self.redis, Keys(rs.namespace), self.settings) if stream == "rollouts"
+                         else StreamProducer(self.redis, Keys(rs.namespace), stream, self.settings))
         self.limits: Limits = self.settings.limits()
         self._keys = Keys(rs.namespace)
         self._shards_known = False

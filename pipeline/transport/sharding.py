@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from pipeline.config import StreamSettings
 from pipeline.errors import ConfigurationError
 from pipeline.transport.consumer import Delivery, StreamConsumer
-from pipeline.transport.keys import MAX_SHARDS, SHARDABLE, Keys
+from pipeline.transport.keys import MAX_SHARDS, SHARDABLE, Keys, family
 
 SHARDS_FIELD = "shards"
 
@@ -171,7 +171,7 @@ def make_consumer(
     resolve_payloads: bool = True,
 ) -> Consumer:
     """A plain consumer for an unsharded stream, else a ``ShardedConsumer`` over ``assigned`` shards."""
-    if shards <= 1 or stream not in SHARDABLE:
+    if shards <= 1 or family(stream) not in SHARDABLE:
         return StreamConsumer(redis, keys, stream, name, settings, stage=stage, resolve_payloads=resolve_payloads)
     return ShardedConsumer(redis, keys, stream, name, settings, shards=list(assigned or range(shards)), total=shards,
                            stage=stage, resolve_payloads=resolve_payloads)

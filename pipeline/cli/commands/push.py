@@ -29,6 +29,7 @@ from pipeline.cli.recovery import admit_push
 from pipeline.config import StreamSettings, add_redis_args, redis_settings_from_args
 from pipeline.stages.exits import EXIT_FAILED, CliError
 from pipeline.transport.keys import STREAMS, Keys
+from pipeline.transport.pools import PoolProducer
 from pipeline.transport.producer import AddResult, BackpressureTimeout, StreamProducer, message_id
 from pipeline.transport.sharding import get_shards
 from schemas import DecodeError, Message, RolloutGroup, ScoredGroup
@@ -115,7 +116,8 @@ async def push_all(redis: aioredis.Redis, keys: Keys, stream: str, msgs: list[Me
     got in: the rest were not written, and pushing the same file again skips those that were."""
     settings = StreamSettings()
     shards = await get_shards(redis, keys)
-    producer = StreamProducer(redis, keys, stream, settings, shards=shards)
+    producer = (PoolProducer(redis, keys, settings, shards=shards) if stream == "rollouts"  # by teacher pool
+                else StreamProducer(redis, keys, stream, settings, shards=shards))
     note = await absent_note(redis, keys)
     if note is not None:
         print(f"note: {note}", file=sys.stderr, flush=True)

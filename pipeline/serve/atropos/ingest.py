@@ -36,9 +36,11 @@ from pipeline.serve.atropos.packing import pick_exact
 from pipeline.serve.atropos.state import AtroposState, BufferedGroup, Trainer, env_field
 from pipeline.transport.consumer import dead_letter_category, dead_letter_fields
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import F_DATA, F_ID, F_TYPE, AddResult, StreamProducer, is_written
+from pipeline.transport.pools import PoolProducer
+from pipeline.transport.producer import F_DATA, F_ID, F_TYPE, AddResult, is_written
 from schemas import Limits, RolloutGroup, decode, encode
 from schemas.atropos import rollout_group_from_atropos
+from schemas.pools import pool_of
 
 log = structlog.get_logger("distillq.serve.atropos")
 
@@ -82,7 +84,7 @@ class Ingest:
                  buffers_lock: AbstractAsyncContextManager[Any] | None = None) -> None:
         self.redis, self.keys, self.state, self.name = redis, keys, state, name
         self.limits = limits or settings.limits()
-        self.producer = StreamProducer(redis, keys, "rollouts", settings, shards=shards)
+        self.producer = PoolProducer(redis, keys, settings, shards=shards)  # to the group's teacher pool
         # one buffer update at a time (read, pick, release, rewrite), across replicas with a SharedLock
         self._buffers = buffers_lock if buffers_lock is not None else asyncio.Lock()
 
@@ -124,9 +126,9 @@ class Ingest:
         await self.state.set_latest(posted)
         return {"status": "received"}
 
-    async def _posted(self, group_id: str) -> bool:
-        """Whether a group of this id was written to ``rollouts`` (within the dedupe TTL)."""
-        marker: bytes | None = await self.redis.get(self.keys.seen("rollouts", group_id, self.producer.shards))
+    async def _posted(self, group_id: str, pool: str) -> bool:
+        """Whether a group of this id was written to ``pool``'s rollouts stream (within the dedupe TTL)."""
+        marker: bytes | None = await self.redis.get(self.producer.seen_key(group_id, pool))
         return is_written(marker)
 
     async def _buffer(self, env_id: int, size: int, p: Prepared, t: Trainer) -> dict[str, Any]:
@@ -134,7 +136,9 @@ class Ingest:
         encoded = await asyncio.to_thread(lambda: bytes(encode(group)))
         async with self._buffers:
             waiting = await self.state.buffered(env_id)
-            if p.keyed and (any(b.group_id == group.group_id for b in waiting) or await self._posted(group.group_id)):
+            pool = pool_of(group.group_overrides)
+            if p.keyed and (any(b.group_id == group.group_id for b in waiting)
+                            or await self._posted(group.group_id, pool)):
                 log.info("group_already_posted", group_id=group.group_id)
                 return {"status": "repeated"}
             await self.state.buffer(env_id, BufferedGroup(group.group_id, len(group.sequences), posted, encoded))

@@ -1,0 +1,115 @@
+"""Teacher pools against a real Redis: each group goes to its pool's rollouts stream, a teacher worker of pool P
+scores only P's groups and records its pool on them; bad pool names are refused where they enter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+import structlog
+
+from pipeline.cli.main import main
+from pipeline.transport.keys import Keys, pool_stream
+from pipeline.transport.prompts import PromptJob
+from pipeline.transport.sdk import GroupProducer
+from schemas import DistillStatus, ScoredGroup, decode
+from schemas.atropos import to_atropos
+from schemas.build import synthetic_rollout
+
+
+@pytest.fixture(autouse=True)
+def _plain_logs() -> None:
+    structlog.reset_defaults()
+
+
+def _line(gid: str, overrides: dict[str, object] | None) -> str:
+    return json.dumps(to_atropos(synthetic_rollout(2, 8, vocab=100, prompt_len=3, group_id=gid,
+                                                   group_overrides=overrides)))
+
+
+def _scored(r: redis.Redis, keys: Keys) -> dict[str, ScoredGroup]:
+    out = {}
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = r.xrange(keys.stream("scored"))  # type: ignore[assignment]
+    for _, fields in entries:
+        payload: bytes | None = r.get(fields[b"p"])  # type: ignore[assignment]
+        s = decode(payload or b"", expect=ScoredGroup)
+        out[s.group_id] = s
+    return out
+
+
+def test_each_pool_scores_only_its_groups(tmp_path: Path, redis_url: str, keys: Keys) -> None:
+    f = tmp_path / "groups.jsonl"
+    f.write_text("\n".join([_line("d1", None), _line("d2", {"teacher": "default"}),
+                            _line("m1", {"teacher": "math"}), _line("m2", {"teacher": "math", "teacher_top_k": 3})])
+                 + "\n")
+    common = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    assert main(["push", str(f), *common]) == 0
+    r = redis.Redis.from_url(redis_url)
+    assert r.xlen(keys.stream("rollouts")) == 2 and r.xlen(keys.stream(pool_stream("math"))) == 2
+    assert {m.decode() for m in r.smembers(keys.pools)} == {"default", "math"}  # type: ignore[union-attr]
+
+    teacher = ["worker", "teacher", "--backend", "synthetic", "--top-k", "5", "--burst", *common]
+    assert main(teacher) == 0  # the pool default: its groups only; math's wait
+    assert set(_scored(r, keys)) == {"d1", "d2"}
+    assert r.xlen(keys.stream(pool_stream("math"))) == 2
+
+    assert main([*teacher, "--pool", "math"]) == 0
+    out = _scored(r, keys)
+    assert set(out) == {"d1", "d2", "m1", "m2"}
+    assert r.xlen(keys.stream(pool_stream("math"))) == 0
+    assert [out[g].pool for g in ("d1", "d2", "m1", "m2")] == ["default", "default", "math", "math"]
+    assert all(s.status is DistillStatus.OK for s in out.values())
+    assert (out["m1"].k, out["m2"].k) == (5, 3)  # the pool's k, and the group's teacher_top_k composed with it
+    assert out["m1"].teacher_id.startswith("synthetic")
+
+
+def test_bad_pool_names_are_refused(tmp_path: Path, redis_url: str, keys: Keys,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    f = tmp_path / "groups.jsonl"
+    f.write_text(_line("ok", None) + "\n" + _line("bad", {"teacher": "Math Pool"}) + "\n")
+    capsys.readouterr()
+    assert main(["push", str(f), *common]) != 0
+    err = capsys.readouterr().err
+    assert "line 2" in err and "group_overrides.teacher" in err and "'Math Pool'" in err
+    r = redis.Redis.from_url(redis_url)
+    assert r.xlen(keys.stream("rollouts")) == 0  # nothing pushed from a file with a bad line
+
+    code = main(["worker", "teacher", "--backend", "synthetic", "--pool", "no/such", "--burst", *common])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--pool" in err and "'no/such'" in err
+
+    with pytest.raises(ValueError, match="teacher"):
+        PromptJob(id="p", prompt="1+1=", teacher="UPPER")
+
+
+def test_group_producer_and_prompts_route_by_pool(redis_url: str, keys: Keys) -> None:
+    with GroupProducer(redis_url, namespace=keys.namespace) as p:
+        p.push(synthetic_rollout(1, 8, vocab=100, group_id="a", group_overrides={"teacher": "code"}))
+        p.push(synthetic_rollout(1, 8, vocab=100, group_id="b"))
+        p.push_atropos(to_atropos(synthetic_rollout(1, 8, vocab=100, group_id="c",
+                                                    group_overrides={"teacher": "code"})))
+    r = redis.Redis.from_url(redis_url)
+    assert r.xlen(keys.stream("rollouts.code")) == 2 and r.xlen(keys.stream("rollouts")) == 1
+    # a prompt's pool: group_overrides.teacher, else its teacher, else the worker's --teacher
+    job = PromptJob(id="p", prompt="x", teacher="math")
+    assert job.overrides("code") == {"teacher": "math"}
+    assert PromptJob(id="p", prompt="x").overrides("code") == {"teacher": "code"}
+    assert PromptJob(id="p", prompt="x").overrides() is None
+    assert PromptJob(id="p", prompt="x", teacher="math", group_overrides={"teacher": "chem", "teacher_top_k": 2}
+                     ).overrides("code") == {"teacher": "chem", "teacher_top_k": 2}
+
+
+def test_a_pool_dead_letter_replays_onto_its_pool(tmp_path: Path, redis_url: str, keys: Keys) -> None:
+    f = tmp_path / "groups.jsonl"
+    f.write_text(_line("big", {"teacher": "math", "teacher_top_k": 500}) + "\n")
+    common = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    assert main(["push", str(f), *common]) == 0
+    assert main(["worker", "teacher", "--backend", "synthetic", "--pool", "math", "--k-over-cap", "drop",
+                 "--on-drop", "dlq", "--burst", *common]) == 0
+    r = redis.Redis.from_url(redis_url)
+    assert r.xlen(keys.dlq) == 1 and r.xlen(keys.stream("rollouts.math")) == 0
+    assert main(["dlq", "replay", "--all", "--force", *common]) == 0
+    assert r.xlen(keys.stream("rollouts.math")) == 1 and r.xlen(keys.stream("rollouts")) == 0
