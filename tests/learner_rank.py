@@ -18,8 +18,8 @@ import sys
 import time
 from typing import Any
 
-from pipeline.config import StreamSettings
 from pipeline.learner.client import AsyncLearner
+from tests.streams import fast
 
 
 async def main(argv: list[str]) -> int:
@@ -34,7 +34,7 @@ async def main(argv: list[str]) -> int:
     p.add_argument("--step-s", type=float, default=0.0)
     p.add_argument("--idle-s", type=float, default=5.0)
     a = p.parse_args(argv)
-    settings = StreamSettings(block_ms=100, claim_idle_ms=2000, claim_interval_ms=100)  # type: ignore[call-arg]
+    settings = fast(claim_idle_ms=2000, claim_interval_ms=100)
     learner = AsyncLearner(a.url, namespace=a.namespace, settings=settings, rank=a.rank, world_size=a.world)
     assert learner._ranks is not None
     ranks = learner._ranks

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from pipeline.config import StreamSettings
+from pipeline.config import ENV_PREFIX, StreamSettings
 from pipeline.transport.consumer import StreamConsumer
 from pipeline.transport.sharding import ShardedConsumer
 
@@ -17,9 +17,25 @@ FAST: dict[str, Any] = dict(block_ms=100, claim_idle_ms=300, claim_interval_ms=5
                             shutdown_grace_s=1.0, backpressure_timeout_s=10.0)
 
 
+#: What worker processes of the end-to-end tests get, and the in-test side (learner, producer) talking to them:
+#: waits a few times ``FAST``'s, as a process starts and a loaded 2-core machine schedules it later than a task.
+PROCESS: dict[str, Any] = dict(block_ms=200, claim_idle_ms=1000, claim_interval_ms=200, heartbeat_interval_s=0.5,
+                               shutdown_grace_s=2.0)
+
+
 def fast(**overrides: Any) -> StreamSettings:
     """``StreamSettings`` with ``FAST``'s values, then ``overrides`` (any ``StreamSettings`` field)."""
     return StreamSettings(**{**FAST, **overrides})
+
+
+def process_settings(**overrides: Any) -> StreamSettings:
+    """``StreamSettings`` with ``PROCESS``'s values, then ``overrides``: the in-test side of a process test."""
+    return StreamSettings(**{**PROCESS, **overrides})
+
+
+def process_env(**overrides: Any) -> dict[str, str]:
+    """``PROCESS`` (then ``overrides``) as the ``DISTILLQ_*`` variables a worker process reads."""
+    return {f"{ENV_PREFIX}{k.upper()}": str(v) for k, v in {**PROCESS, **overrides}.items()}
 
 
 def leaping_clock(step_s: float = 60.0) -> Callable[[], float]:

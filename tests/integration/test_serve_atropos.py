@@ -41,11 +41,11 @@ from pipeline.transport.keys import Keys
 from schemas import RolloutGroup
 from schemas.atropos import ATROPOS_KEYS
 from tests.redis_server import free_port
+from tests.streams import fast
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]
-FAST = StreamSettings(block_ms=100, claim_idle_ms=2000, claim_interval_ms=200, heartbeat_interval_s=0.5,
-                      shutdown_grace_s=1.0)
+FAST = fast(claim_idle_ms=2000, claim_interval_ms=200, heartbeat_interval_s=0.5)
 REGISTRATION = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4, "max_token_len": 512,
                 "checkpoint_dir": "/tmp/ckpt", "save_checkpoint_interval": 10, "starting_step": 0, "num_steps": 100}
 ENV = {"max_token_length": 512, "desired_name": "env", "weight": 1.0, "group_size": 2}
@@ -345,7 +345,7 @@ def test_batches_come_oldest_first_and_the_step_counts_handouts(stack: Stack) ->
 
 
 def test_lease_redelivers_an_unacked_batch_and_ack_settles_it(redis_url: str, keys: Keys) -> None:
-    with Stack(redis_url, keys, StreamSettings(**{**FAST.model_dump(), "max_deliveries": 3})) as s:
+    with Stack(redis_url, keys, FAST.model_copy(update={"max_deliveries": 3})) as s:
         s.start_trainer(batch_size=2)
         for i in range(3):
             s.post("/scored_data", group(seed=i))

@@ -27,25 +27,12 @@ from pipeline.teacher.synthetic import SyntheticTeacher
 from pipeline.transport.connection import TRANSIENT, connect
 from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup
 from schemas.build import trained_rows
+from tests.streams import process_env, process_settings
 
-#: Settings every worker process of these tests gets: fast reclaim, short blocks, JSON logs.
-FAST_ENV: dict[str, str] = {
-    "DISTILLQ_CLAIM_IDLE_MS": "1000",
-    "DISTILLQ_CLAIM_INTERVAL_MS": "200",
-    "DISTILLQ_BLOCK_MS": "200",
-    "DISTILLQ_HEARTBEAT_INTERVAL_S": "0.5",
-    "DISTILLQ_SHUTDOWN_GRACE_S": "2",
-    "DISTILLQ_LOG_JSON": "1",
-    "DISTILLQ_LOG_LEVEL": "INFO",
-}
-
-
-def fast_settings(**kw: Any) -> StreamSettings:
-    """The in-test side's settings (learner, producer), matching ``FAST_ENV``."""
-    base: dict[str, Any] = dict(claim_idle_ms=1000, claim_interval_ms=200, block_ms=200, heartbeat_interval_s=0.5,
-                                shutdown_grace_s=2.0)
-    base.update(kw)
-    return StreamSettings(**base)
+#: Settings every worker process of these tests gets: ``tests.streams.PROCESS``, JSON logs.
+FAST_ENV: dict[str, str] = {**process_env(), "DISTILLQ_LOG_JSON": "1", "DISTILLQ_LOG_LEVEL": "INFO"}
+#: The in-test side's settings (learner, producer), matching ``FAST_ENV``.
+fast_settings = process_settings
 
 
 #: Every figure line of this test run; tests/reliability/conftest.py prints them in the terminal summary,
