@@ -75,6 +75,9 @@ key                                                type          written by / me
 
 The ``serve atropos`` keys share one hash tag, ``{ns:atropos}``, so its scripts touch several at once.
 
+Weights published to a ``redis://`` location live in a Redis (by default a database) of their own, under their own
+prefix, not the namespace: their keys are named in ``pipeline.weightstore.keys``.
+
 Teacher pools (``schemas.pools``): each pool has its own rollouts stream, read by the ``teacher`` consumer group of
 that pool's workers; a pool stream is sharded like ``rollouts``, and its short name is ``rollouts.<pool>``.
 

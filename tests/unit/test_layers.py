@@ -28,36 +28,41 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline.teacher": {"schemas", "pipeline.base", "pipeline.models"},
     "pipeline.rollout": {"schemas", "pipeline.base", "pipeline.models"},
     "pipeline.transport": {"schemas", "pipeline.base"},
+    # weights in Redis or object storage: the codec, the stores, a learner's uploads, a reader's local folder
+    "pipeline.weightstore": {"pipeline.base", "pipeline.models"},
     "pipeline.stages": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.teacher", "pipeline.rollout"},
-    "pipeline.learner": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.models"},
+    "pipeline.learner": {
+        "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.models", "pipeline.weightstore",
+    },
     "pipeline.serve": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.rollout", "pipeline.models", "pipeline.learner",
-        "pipeline.stages",
+        "pipeline.stages", "pipeline.weightstore",
     },
     "workers": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher",
-        "pipeline.rollout", "pipeline.models",
+        "pipeline.rollout", "pipeline.models", "pipeline.weightstore",
     },
     # what the commands run: inspection, stats, recovery, the supervisor, embedded Redis
     "pipeline.cli": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
-        "pipeline.models", "pipeline.learner", "pipeline.serve", "workers",
+        "pipeline.models", "pipeline.weightstore", "pipeline.learner", "pipeline.serve", "workers",
     },
     # the demo, its tiny and real pairs, their tasks and evaluation, the example learner
     "pipeline.demo": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
-        "pipeline.models", "pipeline.learner", "pipeline.serve", "workers", "pipeline.cli",
+        "pipeline.models", "pipeline.weightstore", "pipeline.learner", "pipeline.serve", "workers", "pipeline.cli",
     },
     # the entry point and one module per subcommand: on top of everything
     "pipeline.cli.commands": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.teacher", "pipeline.rollout",
-        "pipeline.models", "pipeline.learner", "pipeline.serve", "workers", "pipeline.cli", "pipeline.demo",
+        "pipeline.models", "pipeline.weightstore", "pipeline.learner", "pipeline.serve", "workers", "pipeline.cli",
+        "pipeline.demo",
     },
     # the public API: re-exports only, and no layer imports it
     "distillq": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.learner", "pipeline.serve",
-        "pipeline.teacher", "pipeline.rollout", "pipeline.models", "pipeline.cli", "pipeline.demo",
-        "pipeline.cli.commands",
+        "pipeline.teacher", "pipeline.rollout", "pipeline.models", "pipeline.weightstore", "pipeline.cli",
+        "pipeline.demo", "pipeline.cli.commands",
     },
 }
 #: Layers every layer but ``schemas`` may import: the exception hierarchy.
