@@ -8,13 +8,19 @@ Per step: read a batch (``pipeline.learner.client.Learner``), ``to_torch`` it, a
               (coef * (teacher logprob - student logprob) of each sampled token: reverse KL)
   + kd_weight * top-k forward KL to the teacher (with a tail bucket)
 
-then checkpoint (model, optimizer, step, version: ``pipeline.learner.checkpoint``), ack the batch, and
-every ``sync_every`` steps publish the weights (a Hugging Face checkpoint folder per version,
+then every ``checkpoint_every`` steps (and at the last) checkpoint (model, optimizer, step, version and the ids
+of the batches trained since the last one: ``pipeline.learner.checkpoint``) and ack the batches that checkpoint
+holds, and every ``sync_every`` steps publish the weights (a Hugging Face checkpoint folder per version,
 ``Learner.publish_weights``) and the new policy version, which rollout workers and student servers pick up.
-In that order a crash loses no update and trains no batch twice: a restarted learner restores its
-checkpoint, publishes its weights again, and acknowledges without training a redelivered batch that the
-checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL), including the batch's
-sampled reverse KL and, every ``eval_every`` steps, the exact reverse KL to the teacher on held-out prompts
+In that order a crash loses no acknowledged update and trains no batch twice into the weights: the batches
+trained since the last checkpoint are unacknowledged, so they come back and are trained again from it (at most
+``checkpoint_every`` of them); a restarted learner restores its checkpoint, publishes its weights again (under a
+version above any published before the crash, so the samplers load them), and acknowledges without training a
+redelivered batch that the checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL):
+the losses, the sampler-trainer KL of the batch's tokens and the share of them the PPO clip held, the seconds
+of each phase (``wait_s`` for the batch, ``forward_backward_s``, ``optimizer_s``, ``checkpoint_s``,
+``publish_s``, ``eval_s``), the batch's sampled reverse KL and, every ``eval_every`` steps, the exact reverse
+KL to the teacher on held-out prompts
 (the tiny arithmetic task's, or ``--heldout-file``'s: JSONL rows with ``messages``, the reverse KL on the first
 ``--eval-kl-prompts`` of them where given; where they carry ``accept`` answers, the student's task accuracy at
 the first and last step and the teacher's at the first, on all of them, as ``heldout_task_accuracy`` and
@@ -29,7 +35,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -41,15 +47,19 @@ from pipeline.config import add_redis_args
 from pipeline.demo.tinymodels import arithmetic_problem
 from pipeline.errors import ConfigurationError
 from pipeline.flags import Flag, FlagSettings, HelpFormatter, add_flags, from_args
+from pipeline.learner import losses
 from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
-from pipeline.learner.client import Learner
+from pipeline.learner.chunked import token_logprobs, topk_forward_kl
+from pipeline.learner.client import Learner, LearnerBatch
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.exits import run_command
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")
+#: a checkpoint keeps the ids of the last 64 batches it holds (``pipeline.learner.checkpoint``): every batch of a
+#: checkpoint interval must be among them for a redelivered one to be recognised
+MAX_CHECKPOINT_EVERY = 64
 
 
 @dataclass
@@ -63,6 +73,7 @@ class LearnerConfig:
     kd_weight: float = 1.0
     clip: float = 0.2
     sync_every: int = 1
+    checkpoint_every: int = 1  # checkpoint, then ack the batches it holds, every N steps (and at the last)
     eval_teacher: str | None = None
     eval_every: int = 25
     eval_prompts: int = 48
@@ -171,11 +182,14 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
     ckpt_dir = cfg.checkpoint_dir or str(Path(cfg.weights_dir) / "checkpoint")
     with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
         ckpt, version, step = restore(ckpt_dir, student, opt, learner, cfg)
+        started = time.perf_counter()
         rec0: dict[str, float] = {"step": float(step), "policy_version": float(version)}
         evaluator.record(rec0, step, first=True)
         _emit(rec0, history, out, on_step)
         student.train()
+        held = Held()  # trained since the last checkpoint, not acknowledged
         while step < cfg.steps:
+            t_wait = time.perf_counter()
             b = learner.next_batch(cfg.batch_timeout_s)
             if b is None:
                 log.warning("no_batch", waited_s=cfg.batch_timeout_s, step=step + 1)
@@ -186,20 +200,48 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             step += 1
             t0 = time.perf_counter()
             set_lr(opt, cfg, step)
-            loss, pg, kd = optimiser_step(student, opt, b.batch, cfg)
+            fig = train_step(student, opt, b.batch, cfg)
+            held.batches.append(b)
             version += (synced := step % cfg.sync_every == 0)
-            # Checkpoint, then ack, then publish: a crash before the checkpoint redelivers the batch to the
-            # previous checkpoint; after it, the batch is acked again untrained (``trained`` above).
-            save_checkpoint(ckpt_dir, student, opt, step=step, policy_version=version, batch_ids=[b.batch.batch_id])
-            learner.ack(b)
+            # Checkpoint, then ack what it holds, then publish: a crash before the checkpoint redelivers the held
+            # batches to the previous checkpoint; after it, they are acked again untrained (``trained`` above).
+            phases = {"wait_s": t0 - t_wait, "checkpoint_s": 0.0, "publish_s": 0.0}
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                t1 = time.perf_counter()
+                held = held.settle(learner, ckpt_dir, student, opt, step, version)
+                phases["checkpoint_s"] = time.perf_counter() - t1
             if synced:
+                t2 = time.perf_counter()
                 learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
-            rec = _record(step, (loss, pg, kd), b.batch, version, time.perf_counter() - t0)
+                phases["publish_s"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            rec = _record(step, fig, b.batch, version, t3 - t0)
+            rec.update(phases, held=float(len(held.batches)))
             evaluator.record(rec, step, last=step == cfg.steps)
+            rec["eval_s"] = time.perf_counter() - t3
+            rec["wall_s"] = time.perf_counter() - started
             _emit(rec, history, out, on_step)
+        held.settle(learner, ckpt_dir, student, opt, step, version)  # no batch came: what it trained, kept
     if out is not None:
         out.close()
     return history
+
+
+@dataclass
+class Held:
+    """Batches trained since the last checkpoint: acknowledged once a checkpoint holds them."""
+
+    batches: list[LearnerBatch] = field(default_factory=list)
+
+    def settle(self, learner: Learner, ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, step: int,
+               version: int) -> Held:
+        """Checkpoint (with these batches' ids), then acknowledge them; an empty ``Held`` for the next ones."""
+        if self.batches:
+            save_checkpoint(ckpt_dir, student, opt, step=step, policy_version=version,
+                            batch_ids=[b.batch.batch_id for b in self.batches])
+            for b in self.batches:
+                learner.ack(b)
+        return Held()
 
 
 def set_lr(opt: torch.optim.Optimizer, cfg: LearnerConfig, step: int) -> None:
@@ -215,43 +257,85 @@ def restore(ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, learner: Le
     """(checkpoint, policy version, step) to go on from. A restarted learner continues from its checkpoint;
     either way the weights it starts from are saved for the samplers and their version published (again)."""
     ckpt = load_checkpoint(ckpt_dir, student, opt)
+    published = learner.policy_version()
     if ckpt is not None:
         log.info("resumed", checkpoint=str(ckpt.path), step=ckpt.step, policy_version=ckpt.policy_version,
                  optimizer_state=(ckpt.path / "optimizer.safetensors").exists())
-    version = ckpt.policy_version if ckpt is not None else max(learner.policy_version(), 0)
+    version = ckpt.policy_version if ckpt is not None else max(published, 0)
+    if ckpt is not None and published > version:
+        # versions published after the checkpoint went with the crash: the samplers load only a newer version,
+        # so the restored weights go out as the next one (their samples then count as stale)
+        log.info("republished_above_lost_versions", checkpoint_version=version, published=published)
+        version = published + 1
     learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
     return ckpt, version, ckpt.step if ckpt is not None else 0
 
 
-def optimiser_step(
-    student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: LearnerConfig
-) -> tuple[float, float, float]:
-    """One step on ``batch``: IS policy gradient on the reverse-KL advantages plus top-k forward KL.
+@dataclass(frozen=True)
+class StepFigures:
+    """One optimiser step's losses, how far the trained policy is from the one that sampled the batch, and the
+    seconds of its two phases."""
+
+    loss: float
+    pg: float
+    kd: float
+    ratio_kl: float  # mean of r - 1 - log r over the trained tokens, r = trainer / sampler probability (>= 0)
+    clip_frac: float  # share of the trained tokens whose ratio is outside [1 - clip, 1 + clip]
+    forward_backward_s: float
+    optimizer_s: float
+
+
+def train_step(student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: LearnerConfig) -> StepFigures:
+    """One step on ``batch``: IS policy gradient (PPO-clipped at ``cfg.clip``) on the reverse-KL advantages plus
+    top-k forward KL.
 
     The chunked losses (``pipeline.learner.chunked``): from the base model's hidden states and the lm_head,
     so no ``[B, N, V]`` logits exist at any vocabulary size.
     """
+    t0 = time.perf_counter()
     tb = to_torch(batch, device=next(student.parameters()).device)
     hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
     h, head = hidden.last_hidden_state[:, :-1], student.get_output_embeddings()
-    pg = importance_sampled_pg_loss(h, head.weight, tb.labels, tb.student_logprobs, tb.advantages, tb.loss_mask,
-                                    clip=cfg.clip, bias=head.bias)
+    # the chunked importance_sampled_pg_loss, with the trainer's logprobs kept for the sampler-trainer figures
+    new = token_logprobs(h, head.weight, tb.labels, tb.loss_mask, bias=head.bias)
+    pg = losses.importance_sampled_pg_loss(new, tb.student_logprobs, tb.advantages, tb.loss_mask, cfg.clip)
     kd = topk_forward_kl(h, head.weight, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask,
                          mode="tail", bias=head.bias)
     loss = cfg.pg_weight * pg + cfg.kd_weight * kd
     opt.zero_grad()
     loss.backward()  # type: ignore[no-untyped-call]
+    t1 = time.perf_counter()
     torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
     opt.step()
-    return float(loss.detach()), float(pg.detach()), float(kd.detach())  # float() of a grad tensor warns
+    t2 = time.perf_counter()
+    ratio_kl, clip_frac = sampler_drift(new.detach(), tb.student_logprobs, tb.loss_mask, cfg.clip)
+    return StepFigures(float(loss.detach()), float(pg.detach()), float(kd.detach()),  # float() of a grad tensor warns
+                       ratio_kl, clip_frac, t1 - t0, t2 - t1)
 
 
-def _record(step: int, losses: tuple[float, float, float], batch: TrainBatch, version: int,
-            step_s: float) -> dict[str, float]:
+def sampler_drift(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, clip: float | None) -> tuple[float, float]:
+    """(KL(sampler || trainer) estimated on the sampled tokens as the mean of ``r - 1 - log r``, the share of
+    tokens whose ratio ``r = exp(new - old)`` lies outside ``[1 - clip, 1 + clip]``), over ``mask``."""
+    log_r = (new.float() - old.float()).masked_fill(mask <= 0, 0.0)
+    k3 = torch.expm1(log_r) - log_r
+    outside = ((log_r.exp() - 1).abs() > clip).float() if clip is not None else torch.zeros_like(log_r)
+    return float(losses.reduce_masked(k3, mask)), float(losses.reduce_masked(outside, mask))
+
+
+def optimiser_step(
+    student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: LearnerConfig
+) -> tuple[float, float, float]:
+    """``train_step``'s (loss, policy-gradient loss, top-k forward KL)."""
+    fig = train_step(student, opt, batch, cfg)
+    return fig.loss, fig.pg, fig.kd
+
+
+def _record(step: int, fig: StepFigures, batch: TrainBatch, version: int, step_s: float) -> dict[str, float]:
     stats = batch.stats or {}
     lags = [int(k.split("_", 1)[1]) for k in stats if k.startswith("staleness_")]  # at delivery
     return {
-        "step": float(step), "loss": float(losses[0]), "pg_loss": float(losses[1]), "kd_loss": float(losses[2]),
+        "step": float(step), "loss": fig.loss, "pg_loss": fig.pg, "kd_loss": fig.kd, "ratio_kl": fig.ratio_kl,
+        "clip_frac": fig.clip_frac, "forward_backward_s": fig.forward_backward_s, "optimizer_s": fig.optimizer_s,
         "batch_reverse_kl": stats.get("reverse_kl", float("nan")), "tokens": stats.get("tokens", 0.0),
         "groups": stats.get("groups", 0.0), "policy_version": float(version),
         "batch_policy_version": float(batch.policy_version), "staleness_max": float(max(lags, default=0)),
@@ -294,6 +378,10 @@ class LearnerSettings(FlagSettings):
         1.0, description="weight of the top-k forward KL to the teacher")
     sync_every: Annotated[int, Flag(metavar="N")] = Field(
         1, description="publish the weights as the next version every N steps")
+    checkpoint_every: Annotated[int, Flag(metavar="N")] = Field(
+        1, description="checkpoint every N steps and at the last, acknowledging the batches the checkpoint holds "
+                       "(a crash trains at most the N since the last one again; the feeder's "
+                       "`--max-ready-batches` must be at least N: unacknowledged batches count against it)")
     eval_teacher: Annotated[str | None, Flag(metavar="DIR")] = Field(
         None, description="a local teacher for the held-out evaluation")
     eval_every: Annotated[int, Flag(metavar="N")] = Field(25, description="evaluate every N steps")
@@ -318,6 +406,7 @@ def learner_config(s: LearnerSettings, redis_url: str | None, namespace: str | N
     """The run's config from its flags; ``redis_url``/``namespace`` None: the environment's (``RedisSettings``)."""
     return LearnerConfig(student=s.student, weights_dir=s.weights_dir, steps=s.steps, lr=s.lr, lr_decay=s.lr_decay,
                          pg_weight=s.pg_weight, kd_weight=s.kd_weight, sync_every=s.sync_every,
+                         checkpoint_every=s.checkpoint_every,
                          eval_teacher=s.eval_teacher, eval_every=s.eval_every, eval_prompts=s.eval_prompts,
                          eval_kl_prompts=s.eval_kl_prompts, heldout_file=s.heldout_file, eval_max_new=s.eval_max_new,
                          device=s.device, metrics_file=s.metrics_file, batch_timeout_s=s.batch_timeout,
@@ -345,9 +434,13 @@ def check_config(cfg: LearnerConfig) -> None:
             raise ConfigurationError(f"{flag} {folder}: not a model folder (no config.json there)")
     if cfg.heldout_file is not None and not Path(cfg.heldout_file).is_file():
         raise ConfigurationError(f"--heldout-file {cfg.heldout_file}: no such file")
-    for flag, value in (("--sync-every", cfg.sync_every), ("--eval-every", cfg.eval_every)):
+    for flag, value in (("--sync-every", cfg.sync_every), ("--eval-every", cfg.eval_every),
+                        ("--checkpoint-every", cfg.checkpoint_every)):
         if value < 1:
             raise ConfigurationError(f"{flag} must be at least 1, got {value}")
+    if cfg.checkpoint_every > MAX_CHECKPOINT_EVERY:
+        raise ConfigurationError(f"--checkpoint-every must be at most {MAX_CHECKPOINT_EVERY} (the batch ids a "
+                                 f"checkpoint keeps), got {cfg.checkpoint_every}")
 
 
 def run(cfg: LearnerConfig) -> int:
