@@ -12,7 +12,8 @@ Values a client sends come back equal: whatever our wire cannot carry exactly (f
 other than -100/token id, per-sequence lists of another length, ``images``, ``env_id: null``) is kept
 verbatim in ``metadata["_atropos"]`` and written back from there by ``to_atropos``. ``to_atropos`` also
 writes extra keys (``group_id``, ``policy_version``, ``task_id``, ``created_at``, ``metadata``,
-``discard``, ``distill_status``, ``distill_reason``, ``distill_top_k``, ``teacher_id``, ``scored_at``) that
+``discard``, ``distill_status``, ``distill_reason``, ``distill_top_k``, ``teacher_id``, ``scored_at``; and
+``teacher``, the record of the teacher that scored it: ``{"pool", "model", "k"}``) that
 ``rollout_from_atropos`` reads back; the reference server drops them, and what it keeps (``ATROPOS_KEYS``)
 decodes on its own.
 """
@@ -52,6 +53,7 @@ from schemas.atropos_values import (
 )
 from schemas.build import make_sequence, make_teacher, no_teacher_reason
 from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
+from schemas.pools import pool_of, pool_problem
 from schemas.validate import DecodeError, Limits, validate
 
 __all__ = ["ATROPOS_KEYS", "DERIVED_PREFIX", "MASKED", "MASKED_LOGPROB", "STASH", "content_group_id",
@@ -254,7 +256,20 @@ def _top_k(obj: dict[str, Any], group: RolloutGroup, limits: Limits) -> ScoredGr
         top_lps = np.take_along_axis(r.lps, order, axis=1).reshape(-1, k)
         teachers.append(make_teacher(top_ids, top_lps, r.sampled, rows=r.rows))
     return ScoredGroup(group=group, status=DistillStatus.OK, teacher=teachers, k=k,
-                       teacher_id=str(obj.get("teacher_id") or ""), scored_at=_float(obj, "scored_at"))
+                       teacher_id=str(obj.get("teacher_id") or ""), scored_at=_float(obj, "scored_at"),
+                       pool=_pool(obj))
+
+
+def _pool(obj: dict[str, Any]) -> str:
+    """The pool of a scored group's ``teacher`` record (``to_atropos``), else its ``group_overrides.teacher``."""
+    record = obj.get("teacher")
+    name = record.get("pool") if isinstance(record, dict) else None
+    if name is None:
+        overrides = obj.get("group_overrides")
+        return pool_of(overrides if isinstance(overrides, dict) else None)
+    if (problem := pool_problem(name)) is not None:
+        raise DecodeError("teacher.pool", problem)
+    return str(name)
 
 
 def _float(obj: dict[str, Any], key: str) -> float:
@@ -423,7 +438,7 @@ def to_atropos(msg: RolloutGroup | ScoredGroup) -> dict[str, Any]:
     if scored is None:
         return out
     out.update(distill_status=scored.status.value, distill_reason=scored.reason, teacher_id=scored.teacher_id,
-               scored_at=scored.scored_at)
+               scored_at=scored.scored_at, teacher={"pool": scored.pool, "model": scored.teacher_id, "k": scored.k})
     if scored.status is DistillStatus.OK and scored.teacher is not None:
         out["distill_token_ids"], out["distill_logprobs"] = _distill(scored, toks)
         out["distill_top_k"] = scored.k

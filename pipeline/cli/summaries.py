@@ -44,7 +44,8 @@ def summarize_message(msg: Message) -> dict[str, Any]:
         }
     if isinstance(msg, ScoredGroup):
         out = summarize_message(msg.group)
-        out.update(type="scored", status=msg.status.value, reason=msg.reason, k=msg.k, teacher_id=msg.teacher_id)
+        out.update(type="scored", status=msg.status.value, reason=msg.reason, k=msg.k, teacher_id=msg.teacher_id,
+                   teacher={"pool": msg.pool, "model": msg.teacher_id, "k": msg.k})
         return out
     if isinstance(msg, BatchManifest):
         return {
@@ -87,7 +88,7 @@ def summarize_entry(entry_id: str, fields: dict[bytes, bytes], now: float | None
             base.update(type=_s(fields.get(F_TYPE)), group_id=_s(fields.get(F_ID)), error=str(e))
             return base
         base.update(type=_s(fields.get(F_TYPE)), group_id=h.group_id, sequences=h.sequences, tokens=h.tokens,
-                    policy_version=h.policy_version, status=h.status.value, bytes=h.payload_bytes,
+                    policy_version=h.policy_version, status=h.status.value, bytes=h.payload_bytes, pool=h.pool,
                     payload=f"not available ({_s(fields.get(F_REF))})")
         return base
     msg = decode_entry(fields)
@@ -114,6 +115,8 @@ def one_line(summary: dict[str, Any]) -> str:
                    f"policy_v={summary['policy_version']} {summary['bytes'] / 1024:.1f} KiB")
     if t == "scored":
         line += f" status={summary['status']} k={summary['k']}"
+        if summary.get("teacher"):
+            line += f" teacher={summary['teacher']['pool']}:{summary['teacher']['model']}"
         if summary.get("reason"):
             line += f" reason={summary['reason']}"
     return line

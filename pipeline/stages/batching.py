@@ -32,6 +32,9 @@ from schemas import Array, BatchManifest, DistillStatus, GroupHeader, GroupRef, 
 from schemas.arrays import FLOAT32
 
 log = structlog.get_logger("distillq.feeder")
+#: Batch stats per teacher pool: ``teacher.<pool>.groups``, ``.tokens`` and ``.reverse_kl`` (that pool's groups'
+#: mean ``student - teacher`` sampled-token logprob, when they carry teacher data).
+POOL_STAT = "teacher"
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,8 +212,11 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
     tokens = seqs = longest = 0
     staleness: Counter[int] = Counter()
     without = 0
+    per_pool: dict[str, list[float]] = {}  # pool -> [groups, tokens, kl_sum, kl_tokens]
     for p in items:
         h = p.header
+        pool = per_pool.setdefault(h.pool, [0.0, 0.0, 0.0, 0.0])
+        pool[0], pool[1], pool[2], pool[3] = pool[0] + 1, pool[1] + h.tokens, pool[2] + h.kl_sum, pool[3] + h.kl_tokens
         kl_sum, kl_n = kl_sum + h.kl_sum, kl_n + h.kl_tokens
         tokens, seqs, longest = tokens + h.tokens, seqs + h.sequences, max(longest, h.longest)
         staleness[policy_version - h.policy_version] += 1
@@ -227,6 +233,10 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
         stats["reverse_kl"] = observed
     for lag, n in sorted(staleness.items()):
         stats[f"staleness_{lag}"] = float(n)
+    for name, (groups, pool_tokens, pool_kl, pool_kl_n) in sorted(per_pool.items()):
+        stats[f"{POOL_STAT}.{name}.groups"], stats[f"{POOL_STAT}.{name}.tokens"] = groups, pool_tokens
+        if pool_kl_n:
+            stats[f"{POOL_STAT}.{name}.reverse_kl"] = pool_kl / pool_kl_n
     stats["max_staleness"] = float(-1 if cfg.max_staleness is None else cfg.max_staleness)  # the learner's bound
     refs = [GroupRef(p.group_id, p.key, p.entry_id, p.tokens) for p in items]
     manifest = BatchManifest(

@@ -34,7 +34,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
-from pipeline.stages.batching import BatchingConfig, Pending, admit, build_batch, take_batch
+from pipeline.stages.batching import POOL_STAT, BatchingConfig, Pending, admit, build_batch, take_batch
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, load_controller
 from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
 from pipeline.transport.claimcheck import decode_header
@@ -316,6 +316,9 @@ class Feeder:
         KL_COEF.set(self.controller.value)
         if "reverse_kl" in stats:
             REVERSE_KL.set(stats["reverse_kl"])
+        for name, value in stats.items():  # teacher.<pool>.groups: groups batched per teacher pool
+            if name.startswith(f"{POOL_STAT}.") and name.endswith(".groups"):
+                metrics.POOL_BATCHED.labels(name[len(POOL_STAT) + 1 : -len(".groups")]).inc(value)
         log.info("batch_written", **{k: round(v, 5) for k, v in stats.items()})
 
     def _count(self, outcome: str, n: int = 1) -> None:

@@ -224,13 +224,14 @@ def answer(resp: httpx.Response) -> tuple[int, Any]:
 
 
 def without_distill(item: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in item.items() if k not in ("distill_token_ids", "distill_logprobs")}
+    return {k: v for k, v in item.items() if k not in ("distill_token_ids", "distill_logprobs", "teacher")}
 
 
 def check_distill(item: dict[str, Any]) -> None:
     """Distill arrays in the reference layout: one entry per token, entry 0 and untrained positions empty,
     every trained position the actual token first and k (3) or k + 1 items with logprobs <= 0."""
-    assert tuple(item) == ATROPOS_KEYS  # the reference's 14 keys, in its order
+    assert tuple(item) == (*ATROPOS_KEYS, "teacher")  # the reference's 14 keys, in its order, and who scored it
+    assert item["teacher"]["pool"] == "default" and item["teacher"]["k"] == 3 and item["teacher"]["model"]
     for s, tok in enumerate(item["tokens"]):
         ids, lps = item["distill_token_ids"][s], item["distill_logprobs"][s]
         assert len(ids) == len(lps) == len(tok) and ids[0] == [] == lps[0]

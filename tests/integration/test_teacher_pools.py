@@ -11,6 +11,7 @@ import redis
 import structlog
 
 from pipeline.cli.main import main
+from pipeline.learner.client import Learner
 from pipeline.transport.keys import Keys, pool_stream
 from pipeline.transport.prompts import PromptJob
 from pipeline.transport.sdk import GroupProducer
@@ -113,3 +114,39 @@ def test_a_pool_dead_letter_replays_onto_its_pool(tmp_path: Path, redis_url: str
     assert r.xlen(keys.dlq) == 1 and r.xlen(keys.stream("rollouts.math")) == 0
     assert main(["dlq", "replay", "--all", "--force", *common]) == 0
     assert r.xlen(keys.stream("rollouts.math")) == 1 and r.xlen(keys.stream("rollouts")) == 0
+
+
+def test_the_teacher_record_reaches_tail_and_the_batches(tmp_path: Path, redis_url: str, keys: Keys,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "groups.jsonl"
+    f.write_text("\n".join([_line("d1", None), _line("m1", {"teacher": "math"}), _line("m2", {"teacher": "math"})])
+                 + "\n")
+    common = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    assert main(["push", str(f), *common]) == 0
+    capsys.readouterr()
+    assert main(["tail", "rollouts.math", "--json", *common]) == 0
+    waiting = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted(w["group_id"] for w in waiting) == ["m1", "m2"]
+    for pool, k in (("default", 4), ("math", 6)):
+        assert main(["worker", "teacher", "--backend", "synthetic", "--pool", pool, "--top-k", str(k), "--burst",
+                     *common]) == 0
+    capsys.readouterr()
+    assert main(["tail", "scored", "--json", *common]) == 0
+    records = {s["group_id"]: s["teacher"] for s in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert {g: (t["pool"], t["k"]) for g, t in records.items()} == {"d1": ("default", 4), "m1": ("math", 6),
+                                                                   "m2": ("math", 6)}
+    assert main(["worker", "feeder", "--burst", *common]) == 0
+    r = redis.Redis.from_url(redis_url)
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = r.xrange(keys.stream("batches"))  # type: ignore[assignment]
+    stats: dict[str, float] = {}
+    for _, fields in entries:
+        for name, value in (decode(fields[b"d"]).stats or {}).items():  # type: ignore[union-attr]
+            stats[name] = stats.get(name, 0.0) + value
+    assert (stats["teacher.default.groups"], stats["teacher.math.groups"]) == (1, 2)
+    assert stats["teacher.math.tokens"] == 2 * 16 and "teacher.math.reverse_kl" in stats
+    with Learner(redis_url, namespace=keys.namespace) as learner:  # the learner's batch: each group's teacher
+        seen = {}
+        for lb in learner.batches(timeout_s=2.0):
+            seen.update({g.group_id: (g.pool, g.k) for g in lb.batch.groups})
+            learner.ack(lb)
+    assert seen == {"d1": ("default", 4), "m1": ("math", 6), "m2": ("math", 6)}

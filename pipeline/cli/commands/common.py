@@ -17,7 +17,8 @@ from pipeline.config import RedisSettings, redis_settings_from_args
 from pipeline.flags import HelpFormatter
 from pipeline.stages.exits import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, CliError
 from pipeline.transport.connection import connect, redis_error_line
-from pipeline.transport.keys import STREAMS, Keys
+from pipeline.transport.keys import STREAMS, Keys, stream_pool
+from schemas.pools import pool_problem
 
 T = TypeVar("T")
 
@@ -36,9 +37,12 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: 
 
 
 def stream_name(value: str) -> str:
-    if value not in STREAMS:
-        raise argparse.ArgumentTypeError(f"unknown stream {value!r}; choose from {', '.join(STREAMS)}")
-    return value
+    """A stage stream's short name, or a teacher pool's rollouts stream (``rollouts.<pool>``)."""
+    pool = stream_pool(value)
+    if value in STREAMS or (pool is not None and pool_problem(pool) is None):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown stream {value!r}; choose from {', '.join(STREAMS)} "
+                                     "(or rollouts.POOL, a teacher pool's)")
 
 
 def is_terminal(stream: TextIO | None) -> bool:

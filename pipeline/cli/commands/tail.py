@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = add_command(sub, "tail", "show the newest entries of a stream without consuming them",
                     "Show the newest entries of a stream, and with --follow the new ones as they come, without "
                     "consuming them (XREVRANGE/XREAD, no consumer group): the pipeline is not disturbed.")
-    p.add_argument("stream", type=stream_name, help="rollouts, scored, batches or dlq")
+    p.add_argument("stream", type=stream_name, help="rollouts, scored, batches or dlq; rollouts.POOL: the groups "
+                                                    "waiting for teacher pool POOL")
     p.add_argument("--count", "-n", type=int, default=10, metavar="N", help="entries shown first")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries until Ctrl-C")
     p.add_argument("--json", action="store_true", help="one JSON object per line")

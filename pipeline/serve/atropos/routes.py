@@ -98,7 +98,7 @@ def _batch_body(h: Handout) -> bytes:
     items = []
     for g in h.groups:
         full = to_atropos(g)
-        items.append({key: full[key] for key in ATROPOS_KEYS})
+        items.append({**{key: full[key] for key in ATROPOS_KEYS}, "teacher": full["teacher"]})  # who scored it
     out: dict[str, Any] = {"batch": items}
     if h.batch_id is not None:
         out.update(batch_id=h.batch_id, deliveries=h.deliveries, lease_s=h.lease_s)
