@@ -205,18 +205,10 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             version += (synced := step % cfg.sync_every == 0)
             # Checkpoint, then ack what it holds, then publish: a crash before the checkpoint redelivers the held
             # batches to the previous checkpoint; after it, they are acked again untrained (``trained`` above).
-            phases = {"wait_s": t0 - t_wait, "checkpoint_s": 0.0, "publish_s": 0.0}
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                t1 = time.perf_counter()
-                held = held.settle(learner, ckpt_dir, student, opt, step, version)
-                phases["checkpoint_s"] = time.perf_counter() - t1
-            if synced:
-                t2 = time.perf_counter()
-                learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
-                phases["publish_s"] = time.perf_counter() - t2
+            held, phases = _checkpoint_and_publish(learner, cfg, held, ckpt_dir, student, opt, step, version, synced)
             t3 = time.perf_counter()
             rec = _record(step, fig, b.batch, version, t3 - t0)
-            rec.update(phases, held=float(len(held.batches)))
+            rec.update(phases, wait_s=t0 - t_wait, held=float(len(held.batches)))
             evaluator.record(rec, step, last=step == cfg.steps)
             rec["eval_s"] = time.perf_counter() - t3
             rec["wall_s"] = time.perf_counter() - started
@@ -225,6 +217,23 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
     if out is not None:
         out.close()
     return history
+
+
+def _checkpoint_and_publish(learner: Learner, cfg: LearnerConfig, held: Held, ckpt_dir: str, student: Any,
+                            opt: torch.optim.Optimizer, step: int, version: int,
+                            synced: bool) -> tuple[Held, dict[str, float]]:
+    """After step ``step``: the checkpoint and its acks when one is due, then the weights when a version is; the
+    batches still held and the seconds of both."""
+    phases = {"checkpoint_s": 0.0, "publish_s": 0.0}
+    if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+        t1 = time.perf_counter()
+        held = held.settle(learner, ckpt_dir, student, opt, step, version)
+        phases["checkpoint_s"] = time.perf_counter() - t1
+    if synced:
+        t2 = time.perf_counter()
+        learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
+        phases["publish_s"] = time.perf_counter() - t2
+    return held, phases
 
 
 @dataclass
