@@ -3,7 +3,8 @@
 
 In order: the namespace has no keys; recent incidents (faults from outside distillq that a worker recorded);
 Redis memory near or at ``maxmemory``, or an evicting policy; a full stream; a stage stream with entries and
-no live worker of the stage that reads it; entries delivered more than once (rollout jobs retrying) and
+no live worker of the stage that reads it (a teacher pool's stream: no live teacher worker of that pool);
+entries delivered more than once (rollout jobs retrying) and
 rollout dead letters; learner ranks missing (a rank heartbeats a world size and another rank below it has no
 heartbeat) and a learner rank holding a batch longer than ``hold_warn_s`` (from its heartbeat; from the oldest
 pending batch when no heartbeat of its consumer is live); what workers
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 from typing import Final
 
-from pipeline.cli.streamstats import GroupStats, Snapshot, StreamStats, WorkerStats
+from pipeline.cli.streamstats import GroupStats, Snapshot, StreamStats, WorkerStats, serves
 from pipeline.learner.health import RankBeat, missing_ranks
 from pipeline.stages.liveness import MAX_SKEW_S, skew_note
-from pipeline.transport.keys import CONSUMER_GROUPS
+from pipeline.transport.keys import CONSUMER_GROUPS, family, stream_pool
+from schemas.pools import DEFAULT_POOL
 
 #: Redis memory used above this share of ``maxmemory`` is named.
 MEMORY_WARN: Final = 0.9
@@ -94,8 +96,10 @@ def memory_notes(snap: Snapshot) -> list[str]:
 
 
 def stage_streams(snap: Snapshot) -> list[tuple[StreamStats, str]]:
-    """Each stage stream shown (a sharded one by its total row) with the stage that reads it."""
-    return [(s, CONSUMER_GROUPS[s.name]) for s in snap.streams.values() if s.name in CONSUMER_GROUPS]
+    """Each stage stream shown (a sharded one by its total row; each teacher pool's rollouts stream) with the
+    stage that reads it."""
+    return [(s, CONSUMER_GROUPS[family(s.name)]) for s in snap.streams.values()
+            if family(s.name) in CONSUMER_GROUPS and ":" not in s.name]
 
 
 def _group(s: StreamStats, name: str) -> GroupStats | None:
@@ -118,6 +122,9 @@ def live_readers(snap: Snapshot, s: StreamStats, stage: str) -> bool:
         seen = _seen_s(g)
         return seen is not None and seen < snap.claim_idle_s
     names = {c.name for c in g.consumer_list} if g is not None else set()
+    pool = stream_pool(s.name)
+    if pool is not None:  # a teacher pool's stream: a worker of that pool
+        return any(serves(w, pool) or (w.stage == stage and w.consumer in names) for w in snap.workers)
     return any(w.stage == stage or w.consumer in names for w in snap.workers)
 
 
@@ -127,6 +134,11 @@ def unread_notes(snap: Snapshot) -> list[str]:
         if s.length <= 0 or live_readers(snap, s, stage):
             continue
         line = f"stream {s.name} has {s.length} entries and no live {stage} worker"
+        pool = stream_pool(s.name)
+        if pool is not None and pool != DEFAULT_POOL:
+            out.append(f"teacher pool {pool}: stream {s.name} has {s.length} group(s) and no live teacher worker of "
+                       f"the pool: start one (distillq worker teacher --pool {pool})")
+            continue
         if stage in UNBEATING:
             seen = _seen_s(_group(s, stage))
             line += (" (no consumer in its group)" if seen is None else

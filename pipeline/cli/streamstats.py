@@ -24,7 +24,8 @@ from redis.exceptions import ResponseError
 from pipeline.learner.health import RankBeat
 from pipeline.stages import liveness
 from pipeline.stages.liveness import Beat, read_beats
-from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys
+from pipeline.transport.keys import CONSUMER_GROUPS, SHARDABLE, Keys, family, pool_stream, stream_pool
+from pipeline.transport.pools import known_pools
 from pipeline.transport.sharding import get_shards
 
 #: Most ids counted in the throughput window (the count runs inside Redis, no payload is sent).
@@ -116,6 +117,21 @@ class WorkerStats:
     checkpoint: str | None = None  # rollout: the published version it refused to load, and the one it kept
     settings: dict[str, Any] = field(default_factory=dict)  # feeder: its effective batching settings
     clock_skew_s: float | None = None  # the worker's clock minus Redis's at its last beat (None: unknown)
+    pool: str | None = None  # teacher: the pool it serves
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """A teacher pool: its rollouts stream's backlog (groups waiting or being scored), the part no worker has
+    read yet (lag), the oldest group's age, and its live teacher workers."""
+
+    name: str
+    stream: str
+    backlog: int = 0
+    lag: int = 0
+    pending: int = 0
+    oldest_pending_age_s: float | None = None
+    workers: int = 0
 
 
 @dataclass(slots=True)
@@ -135,6 +151,7 @@ class Snapshot:
     claim_idle_s: float = 60.0  # this command's DISTILLQ_CLAIM_IDLE_MS, in seconds
     hold_warn_s: float = 300.0  # a learner holding a batch longer than this is named (``--hold-warn``)
     learners: list[RankBeat] = field(default_factory=list)  # learner rank heartbeats (``pipeline.learner.health``)
+    pools: list[PoolStats] = field(default_factory=list)  # teacher pools (with the rollouts stream shown)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -222,8 +239,29 @@ def worker_of(b: Beat) -> WorkerStats:
         clamped_k=_counts({"n": info.get("clamped_k")}).get("n", 0),
         checkpoint=None if not info.get("checkpoint_not_loadable") else str(info["checkpoint_not_loadable"]),
         settings=dict(settings) if isinstance(settings, dict) else {},
-        clock_skew_s=b.skew_s,
+        clock_skew_s=b.skew_s, pool=str(info["pool"]) if b.stage == "teacher" and info.get("pool") else None,
     )
+
+
+def serves(w: WorkerStats, pool: str) -> bool:
+    """``w`` is a teacher worker of ``pool`` (a heartbeat without a pool is one of the pool ``default``)."""
+    return w.stage == "teacher" and (w.pool or "default") == pool
+
+
+def pool_stats(streams: dict[str, StreamStats], workers: list[WorkerStats], pools: list[str]) -> list[PoolStats]:
+    """One row per pool whose stream is in ``streams``."""
+    out: list[PoolStats] = []
+    for pool in pools:
+        s = streams.get(pool_stream(pool))
+        if s is None:
+            continue
+        g = next((g for g in s.groups if g.name == "teacher"), None)
+        out.append(PoolStats(
+            name=pool, stream=s.name, backlog=s.length, lag=g.lag if g is not None else s.length,
+            pending=g.pending if g is not None else 0,
+            oldest_pending_age_s=g.oldest_pending_age_s if g is not None else None,
+            workers=sum(serves(w, pool) for w in workers)))
+    return out
 
 
 def _counts(raw: object) -> dict[str, int]:
@@ -288,7 +326,7 @@ async def stream_stats(
         s.groups = [parse_group(raw, s.length) for raw in raw_groups]
         for g in s.groups:
             await _group(redis, key, g, now)
-    expected = CONSUMER_GROUPS.get(name)
+    expected = CONSUMER_GROUPS.get(family(name))
     if expected is not None and all(g.name != expected for g in s.groups):
         s.groups.insert(0, GroupStats(name=expected, lag=s.length))  # not created yet: all of it is lag
     return s
@@ -352,8 +390,13 @@ async def collect(
     now = await server_time(redis)
     shards = await get_shards(redis, keys)
     out: dict[str, StreamStats] = {}
+    pools = await known_pools(redis, keys) if "rollouts" in streams else [
+        p for n in streams if (p := stream_pool(n)) is not None]
+    if "rollouts" in streams:  # every teacher pool's stream right after it
+        at = streams.index("rollouts") + 1
+        streams = [*streams[:at], *(pool_stream(p) for p in pools if pool_stream(p) not in streams), *streams[at:]]
     for n in streams:
-        if shards > 1 and n in SHARDABLE:
+        if shards > 1 and family(n) in SHARDABLE:
             parts = [await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap, shard=i, shards=shards)
                      for i in range(shards)]
             out[n] = total_of(n, parts)
@@ -361,5 +404,6 @@ async def collect(
         else:
             out[n] = await stream_stats(redis, keys, n, now, window_s=window_s, cap=cap)
     dead = out["dlq"].length if "dlq" in out else int(await redis.xlen(keys.dlq))
-    return Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead,
-                    workers=await workers(redis, keys))
+    live = await workers(redis, keys)
+    return Snapshot(namespace=keys.namespace, time=now, streams=out, dead_letters=dead, workers=live,
+                    pools=pool_stats(out, live, pools))

@@ -3,21 +3,27 @@ scores only P's groups and records its pool on them; bad pool names are refused 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 import structlog
 
 from pipeline.cli.main import main
 from pipeline.learner.client import Learner
 from pipeline.transport.keys import Keys, pool_stream
+from pipeline.transport.pools import PoolProducer
 from pipeline.transport.prompts import PromptJob
 from pipeline.transport.sdk import GroupProducer
 from schemas import DistillStatus, ScoredGroup, decode
 from schemas.atropos import to_atropos
 from schemas.build import synthetic_rollout
+from tests.integration.test_stats_attention import beat, stats
+
+pytestmark = pytest.mark.redis
 
 
 @pytest.fixture(autouse=True)
@@ -150,3 +156,29 @@ def test_the_teacher_record_reaches_tail_and_the_batches(tmp_path: Path, redis_u
             seen.update({g.group_id: (g.pool, g.k) for g in lb.batch.groups})
             learner.ack(lb)
     assert seen == {"d1": ("default", 4), "m1": ("math", 6), "m2": ("math", 6)}
+
+
+async def test_stats_shows_each_pool_and_names_one_without_a_worker(
+    r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    producer = PoolProducer(r, keys)
+    for i in range(3):
+        await producer.send(synthetic_rollout(1, 6, group_id=f"m{i}", group_overrides={"teacher": "math"}))
+    await producer.send(synthetic_rollout(1, 6, group_id="d0"))
+    await beat(r, keys, "teacher", "t-default", pool="default")  # the pool default has a worker, math none
+    snap = await stats(capsys, redis_url, keys)
+    pools = {p["name"]: p for p in snap["pools"]}
+    assert {n: (p["backlog"], p["lag"], p["workers"]) for n, p in pools.items()} == {
+        "default": (1, 1, 1), "math": (3, 3, 0)}
+    assert snap["streams"]["rollouts.math"]["length"] == 3
+    assert ("teacher pool math: stream rollouts.math has 3 group(s) and no live teacher worker of the pool: start "
+            "one (distillq worker teacher --pool math)") in snap["attention"]
+    assert not any("stream rollouts has" in line for line in snap["attention"])
+    await beat(r, keys, "teacher", "t-math", pool="math")
+    snap = await stats(capsys, redis_url, keys)
+    assert [p["workers"] for p in snap["pools"]] == [1, 1]
+    assert not any("no live" in line for line in snap["attention"]), snap["attention"]
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["stats", "--redis-url", redis_url, "--namespace", keys.namespace]) == 0
+    out = capsys.readouterr().out
+    assert "teacher pools: 2" in out and "teacher (math)" in out

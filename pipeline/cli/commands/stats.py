@@ -93,8 +93,22 @@ def worker_table(snap: Snapshot) -> Table:
     for col in ("stage", "consumer", "host", "pid", "handled", "heartbeat age", "outcomes", "teacher drops"):
         t.add_column(col, justify="right" if col in ("pid", "handled", "heartbeat age") else "left")
     for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
-        t.add_row(w.stage, w.consumer, w.host, str(w.pid), str(w.handled), secs(w.age_s), counts(w.outcomes),
+        stage = f"{w.stage} ({w.pool})" if w.pool and w.pool != "default" else w.stage  # a teacher's pool
+        t.add_row(stage, w.consumer, w.host, str(w.pid), str(w.handled), secs(w.age_s), counts(w.outcomes),
                   counts(w.drops) if w.stage == "teacher" else "-")
+    return t
+
+
+def pool_table(snap: Snapshot) -> Table | None:
+    """One row per teacher pool (none while the pool ``default`` is the only one)."""
+    if all(p.name == "default" for p in snap.pools):
+        return None
+    t = Table(title=f"teacher pools: {len(snap.pools)}", title_justify="left")
+    for col in ("pool", "stream", "backlog", "lag", "pending", "oldest pending", "live workers"):
+        t.add_column(col, justify="left" if col in ("pool", "stream") else "right")
+    for p in snap.pools:
+        live = str(p.workers) if p.workers or not p.backlog else f"[red]{p.workers}[/red]"
+        t.add_row(p.name, p.stream, str(p.backlog), str(p.lag), str(p.pending), secs(p.oldest_pending_age_s), live)
     return t
 
 
@@ -120,6 +134,9 @@ def render(snap: Snapshot) -> Group:
     consumers = consumer_table(snap)
     if consumers is not None:
         parts.append(consumers)
+    pools = pool_table(snap)
+    if pools is not None:
+        parts.append(pools)
     parts.append(worker_table(snap))
     parts.append(learner_table(snap))
     color = "red" if snap.dead_letters else "green"
