@@ -37,7 +37,9 @@ async def test_trainer_publishes_each_step_after_its_ack(
     events: list[tuple[str, int]] = []
     snapshots: dict[int, dict[str, Any]] = {}
 
-    class UserCallback(transformers.TrainerCallback):  # runs before the library's callback
+    from transformers import TrainerCallback
+
+    class UserCallback(TrainerCallback):  # runs before the library's callback
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             events.append(("user_callback", state.global_step))
 
@@ -54,8 +56,8 @@ async def test_trainer_publishes_each_step_after_its_ack(
                 snapshots[v] = {k: t.detach().clone() for k, t in model.state_dict().items()}
                 real_publish(v)
 
-            learner.ack = ack  # type: ignore[method-assign]
-            learner.publish_policy_version = publish  # type: ignore[method-assign]
+            learner.ack = ack  # type: ignore[method-assign,assignment]
+            learner.publish_policy_version = publish  # type: ignore[method-assign,assignment]
             args = transformers.TrainingArguments(
                 output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=1, learning_rate=1e-3,
                 report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
