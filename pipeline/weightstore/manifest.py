@@ -26,7 +26,7 @@ class FileEntry(msgspec.Struct, frozen=True):
     size: int
     sha256: str  # of the rebuilt file
     itemsize: int  # element size the chunks were shuffled by (1: bytes)
-    mode: Literal["full", "xor"]  # "xor": against the same file of ``base``
+    mode: Literal["full", "delta"]  # "delta": against the same file of ``base``
     chunks: list[ChunkRef]
 
 

@@ -121,7 +121,7 @@ class Mirror:
         fetched = 0
         for entry in m.files:
             base = None
-            if entry.mode == "xor":
+            if entry.mode == "delta":
                 if base_dir is None or not (base_dir / entry.name).is_file():
                     raise CheckpointError(f"v{m.version}: {entry.name} is a delta against v{m.base}, which this "
                                           "reader does not hold", "incomplete", m.version)

@@ -74,6 +74,8 @@ class Uploader:
         return last, folder
 
     def upload(self, version: int, folder: Path) -> UploadReport:
+        """Put ``folder``'s files as ``version`` (a delta against the last upload when it can, see the module),
+        commit its manifest, drop what retention allows; bytes and seconds in the report (and the log)."""
         t0 = time.perf_counter()
         version = int(version)
         base = self._base()
@@ -88,9 +90,9 @@ class Uploader:
                     safetensors_shapes(path)  # a torn file is not uploaded
                 prev = base_files.get(name)
                 size = path.stat().st_size
-                mode = "xor" if base and prev is not None and prev.size == size else "full"
+                mode = "delta" if base and prev is not None and prev.size == size else "full"
                 entries.append(self._file(pool, version, i, path, size, mode,
-                                          base[1] / name if base and mode == "xor" else None))
+                                          base[1] / name if base and mode == "delta" else None))
         m = mf.Manifest(version=version, kind=kind, base=base[0].version if base else None,
                         snapshot=base[0].snapshot if base else version, depth=base[0].depth + 1 if base else 0,
                         files=entries, created_at=time.time())
@@ -127,7 +129,7 @@ class Uploader:
                     chunks.append(pending.pop(0).result())
         chunks.extend(fu.result() for fu in pending)
         return mf.FileEntry(name=path.name, size=size, sha256=whole.hexdigest(), itemsize=itemsize,
-                            mode="xor" if base is not None else "full", chunks=chunks)
+                            mode="delta" if base is not None else "full", chunks=chunks)
 
     def _prune(self, newest: mf.Manifest) -> tuple[list[int], list[int]]:
         versions = self.store.versions()
