@@ -51,6 +51,7 @@ from pipeline.learner import losses
 from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from pipeline.learner.chunked import token_logprobs, topk_forward_kl
 from pipeline.learner.client import Learner, LearnerBatch
+from pipeline.learner.teacher_weights import parse_teacher_weights, weigh
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.exits import run_command
@@ -87,6 +88,7 @@ class LearnerConfig:
     namespace: str | None = None
     seed: int = 0
     checkpoint_dir: str | None = None  # default: <weights_dir>/checkpoint
+    teacher_weight: str | None = None  # "math=1,code=0.5": a weight per teacher pool (``learner.teacher_weights``)
 
 
 def heldout_prompts(tokenizer: Any, n: int, seed: int = 12345) -> list[list[int]]:
@@ -302,7 +304,8 @@ def train_step(student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg:
     so no ``[B, N, V]`` logits exist at any vocabulary size.
     """
     t0 = time.perf_counter()
-    tb = to_torch(batch, device=next(student.parameters()).device)
+    tb = weigh(to_torch(batch, device=next(student.parameters()).device), batch,
+               parse_teacher_weights(cfg.teacher_weight))  # each teacher pool's share of the loss
     hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
     h, head = hidden.last_hidden_state[:, :-1], student.get_output_embeddings()
     # the chunked importance_sampled_pg_loss, with the trainer's logprobs kept for the sampler-trainer figures
@@ -409,6 +412,9 @@ class LearnerSettings(FlagSettings):
         60.0, description="give up after this many seconds without a batch")
     checkpoint_dir: Annotated[str | None, Flag(metavar="DIR", default_text="`WEIGHTS_DIR/checkpoint`")] = Field(
         None, description="where the checkpoint (model, optimizer, step, version) is kept")
+    teacher_weight: Annotated[str | None, Flag(metavar="POOL=W[,POOL=W...]", default_text="1 each")] = Field(
+        None, description="a weight per teacher pool in both losses, e.g. `math=1,code=0.5` (0: leave its groups "
+                          "out); a pool not named weighs 1 ([teacher-pools.md](teacher-pools.md))")
 
 
 def learner_config(s: LearnerSettings, redis_url: str | None, namespace: str | None) -> LearnerConfig:
@@ -419,7 +425,8 @@ def learner_config(s: LearnerSettings, redis_url: str | None, namespace: str | N
                          eval_teacher=s.eval_teacher, eval_every=s.eval_every, eval_prompts=s.eval_prompts,
                          eval_kl_prompts=s.eval_kl_prompts, heldout_file=s.heldout_file, eval_max_new=s.eval_max_new,
                          device=s.device, metrics_file=s.metrics_file, batch_timeout_s=s.batch_timeout,
-                         redis_url=redis_url, namespace=namespace, checkpoint_dir=s.checkpoint_dir)
+                         redis_url=redis_url, namespace=namespace, checkpoint_dir=s.checkpoint_dir,
+                         teacher_weight=s.teacher_weight)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,6 +448,10 @@ def check_config(cfg: LearnerConfig) -> None:
     for flag, folder in (("--student", cfg.student), ("--eval-teacher", cfg.eval_teacher)):
         if folder is not None and not (Path(folder) / "config.json").is_file():
             raise ConfigurationError(f"{flag} {folder}: not a model folder (no config.json there)")
+    try:
+        parse_teacher_weights(cfg.teacher_weight)
+    except ValueError as e:
+        raise ConfigurationError(f"--teacher-weight: {e}") from None
     if cfg.heldout_file is not None and not Path(cfg.heldout_file).is_file():
         raise ConfigurationError(f"--heldout-file {cfg.heldout_file}: no such file")
     for flag, value in (("--sync-every", cfg.sync_every), ("--eval-every", cfg.eval_every),
