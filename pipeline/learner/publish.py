@@ -13,6 +13,12 @@ Data parallel: call it on every rank. Under FSDP the full state dict is gathered
 must join, offloaded to CPU); rank 0 writes and publishes, and every rank returns once it has (a barrier).
 DDP replicas are identical: rank 0 writes its own, no gather. Without ``torch.distributed``, pass
 ``rank`` (only rank 0 writes). The folder layout and the readers: ``pipeline.models.weights``.
+
+The location may be a URL instead of a folder (``redis://host:port/db``, ``s3://bucket/prefix``: docs/weights.md):
+the folder is then written into a local staging folder of this process and uploaded to the store
+(``pipeline.weightstore.writer``: a snapshot every ``snapshot_every`` versions, deltas between, the newest
+``keep`` kept) before the version is announced; a scheme that is not supported raises ``ConfigurationError``.
+``dtype`` (``"bfloat16"``, ...) casts the floating tensors written, whatever the location.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from pipeline.models.weights import (
 )  # fmt: skip
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import Keys
+from pipeline.weightstore.stores import is_url, open_store, redact
+from pipeline.weightstore.writer import Uploader, UploadReport
 
 log = structlog.get_logger("distillq.publish")
 
@@ -176,34 +184,79 @@ def publish_weights(
     tokenizer_dir: str | Path | None = None,
     rank: int | None = None,
     max_shard_size: str = "2GB",
+    snapshot_every: int = 10,
+    dtype: str | None = None,
 ) -> Path | None:
-    """Write ``model``'s weights as ``version`` into ``directory`` and publish the version.
+    """Write ``model``'s weights as ``version`` into ``directory`` (a folder or a URL) and publish the version.
 
     Call on every rank (see the module doc). ``publish``: how to announce the version (default: set
     ``policy_version`` in the Redis of ``redis_url``/``namespace``, or ``DISTILLQ_REDIS_URL``). ``rank``:
-    this process's rank when ``torch.distributed`` is not used. Returns the folder on the writing rank,
-    ``None`` on the others.
+    this process's rank when ``torch.distributed`` is not used. ``snapshot_every``: with a URL, a full snapshot
+    every that many versions, deltas between. ``dtype``: the floating tensors cast to it (default: as they are).
+    Returns the folder written (with a URL: the local staging copy) on the writing rank, ``None`` on the others;
+    the ``weights_published`` log line gives the full and stored bytes and the seconds taken.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    url = str(directory) if is_url(directory) else None  # ConfigurationError for a scheme not supported
     distributed, dist_rank = _dist()
     my_rank = dist_rank if distributed or rank is None else rank
     inner = unwrap(model)
     state = None
     if not _is_peft(inner) and (distributed or my_rank == 0):
         state = gather_state_dict(model)  # under FSDP every rank joins the gather; rank 0 gets the tensors
+        if state is not None and dtype is not None:
+            state = _cast(state, dtype)
     path = None
     if my_rank == 0:
         t0 = time.perf_counter()
-        path = write_checkpoint(model, version, directory, state_dict=state, tokenizer_dir=tokenizer_dir,
-                                max_shard_size=max_shard_size, keep=keep)
+        report: UploadReport | None = None
+        if url is None:
+            path = write_checkpoint(model, version, directory, state_dict=state, tokenizer_dir=tokenizer_dir,
+                                    max_shard_size=max_shard_size, keep=keep)
+        else:
+            uploader, staging = _uploader(url, snapshot_every, keep)
+            path = write_checkpoint(model, version, staging, state_dict=state, tokenizer_dir=tokenizer_dir,
+                                    max_shard_size=max_shard_size, keep=2)
+            report = uploader.upload(version, path)
         (publish or _redis_publisher(redis_url, namespace))(int(version))
-        log.info("weights_published", version=int(version), path=str(path), seconds=round(time.perf_counter() - t0, 3))
+        seconds = round(time.perf_counter() - t0, 3)
+        if report is None:
+            log.info("weights_published", version=int(version), path=str(path), seconds=seconds)
+        else:
+            log.info("weights_published", version=int(version), url=redact(url or ""), snapshot=report.snapshot,
+                     full_bytes=report.full_bytes, stored_bytes=report.stored_bytes, seconds=seconds)
     if distributed:
         import torch.distributed as dist
 
         dist.barrier()  # every rank returns once the version is out
     return path
+
+
+#: One uploader per store URL in this process (it holds the last version uploaded, the base of the next delta).
+_UPLOADERS: dict[str, tuple[Uploader, Path]] = {}
+
+
+def _uploader(url: str, snapshot_every: int, keep: int) -> tuple[Uploader, Path]:
+    got = _UPLOADERS.get(url)
+    if got is None:
+        import atexit
+        import tempfile
+
+        staging = Path(tempfile.mkdtemp(prefix="distillq-publish-"))
+        atexit.register(shutil.rmtree, staging, ignore_errors=True)
+        got = _UPLOADERS[url] = (Uploader(open_store(url), snapshot_every=snapshot_every, keep=keep), staging)
+    got[0].snapshot_every, got[0].keep = snapshot_every, keep
+    return got
+
+
+def _cast(state: dict[str, Any], dtype: str) -> dict[str, Any]:
+    import torch
+
+    to = getattr(torch, dtype, None)
+    if not isinstance(to, torch.dtype) or not to.is_floating_point:
+        raise ValueError(f"dtype must name a floating torch dtype (bfloat16, float16, float32), got {dtype!r}")
+    return {k: v.to(to) if v.is_floating_point() else v for k, v in state.items()}
 
 
 def _redis_publisher(redis_url: str | None, namespace: str | None) -> Callable[[int], None]:

@@ -163,3 +163,32 @@ def test_open_store_schemes() -> None:
     assert isinstance(open_store("memory://x"), FsspecStore)
     with pytest.raises(ConfigurationError):
         open_store("/a/folder")
+
+
+def test_publish_weights_to_a_url_and_a_reader_loads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.demo.tinymodels import ensure_tiny_models
+    from pipeline.learner.publish import publish_weights
+    from pipeline.models.weights import load_causal_lm, load_weights
+
+    tiny = ensure_tiny_models().student
+    model, reader_model = load_causal_lm(tiny), load_causal_lm(tiny)
+    url = f"memory://pub-{uuid.uuid4().hex[:8]}"
+    announced: list[int] = []
+    mirror = Mirror(open_store(url), tmp_path / "reader")
+    for v in (1, 2, 3):
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+        publish_weights(model, v, url, keep=2, publish=announced.append, tokenizer_dir=tiny, dtype="bfloat16",
+                        snapshot_every=2)
+        assert mirror.sync() == v
+        assert load_weights(reader_model, tmp_path / "reader") == v
+        for (k, a), b in zip(model.state_dict().items(), reader_model.state_dict().values(), strict=True):
+            assert torch.equal(a.to(torch.bfloat16).float(), b), k
+    assert announced == [1, 2, 3]
+    assert not (tmp_path / "redis:").exists()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError):
+        publish_weights(model, 4, "redis:6379/0", publish=announced.append)
+    with pytest.raises(ConfigurationError):
+        publish_weights(model, 4, "ftp://h/w", publish=announced.append)
+    assert announced == [1, 2, 3] and not any(p.name.startswith(("redis", "ftp")) for p in tmp_path.iterdir())
