@@ -53,6 +53,8 @@ class RealDemoConfig:
     timeout_s: float = 1800.0
     device: str = "cpu"
     threads: int = 1
+    evaluate: bool = True  # False: the learner evaluates nothing (bench.vs_trl evaluates the published weights)
+    checkpoint_every: int = 1  # the learner's --checkpoint-every; the feeder's ready-batch cap follows it
 
 
 def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[ProcSpec]:
@@ -68,17 +70,26 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
         ProcSpec("feeder", distillq_argv(
             "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness",
             str(cfg.max_staleness), "--max-wait", str(cfg.max_wait_s), "--kl-coef", "1.0",
-            "--max-ready-batches", "1",  # the learner is the slow stage: groups wait unsampled, not stale
+            # the learner is the slow stage: groups wait unsampled, not stale (the batches the learner holds
+            # unacknowledged until its next checkpoint count against the cap)
+            "--max-ready-batches", str(cfg.checkpoint_every),
             "--consumer-name", "feeder-0")),
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.demo.learner", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(cfg.steps), "--lr", str(cfg.lr),
                              "--lr-decay", "linear", "--pg-weight", str(cfg.pg_weight),
-                             "--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every),
-                             "--eval-prompts", str(len(heldout_rows(cfg))), "--eval-kl-prompts",
-                             str(cfg.eval_kl_prompts), "--heldout-file", str(cfg.out / "heldout.jsonl"),
-                             "--eval-max-new", str(cfg.eval_max_new), "--device", cfg.device, "--metrics-file",
+                             "--checkpoint-every", str(cfg.checkpoint_every), *evaluation_args(cfg, teacher),
+                             "--device", cfg.device, "--metrics-file",
                              str(cfg.out / "metrics.jsonl"), "--batch-timeout", "300"], restart=False),
     ]
+
+
+def evaluation_args(cfg: RealDemoConfig, teacher: Path) -> list[str]:
+    """The learner's evaluation flags (none when ``cfg.evaluate`` is False)."""
+    if not cfg.evaluate:
+        return []
+    return ["--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every), "--eval-prompts",
+            str(len(heldout_rows(cfg))), "--eval-kl-prompts", str(cfg.eval_kl_prompts), "--heldout-file",
+            str(cfg.out / "heldout.jsonl"), "--eval-max-new", str(cfg.eval_max_new)]
 
 
 def heldout_rows(cfg: RealDemoConfig) -> list[dict[str, Any]]:
