@@ -154,6 +154,14 @@ class Retokenized:
     student_len: npt.NDArray[np.int64]
     teacher_len: npt.NDArray[np.int64]
     parts: list[tuple[tuple[int, int], tuple[int, int], bool]]
+    #: leading bytes of a teacher token that are not the student's text (1: the space SentencePiece puts before
+    #: a segment's first token), so a token's text is ``pieces[id][skip:]``
+    teacher_skip: npt.NDArray[np.int64]
+
+    def teacher_text(self, vocab: VocabBytes, start: int, end: int) -> bytes:
+        """The student text that teacher tokens ``[start, end)`` cover."""
+        return b"".join((vocab.pieces[int(t)] or b"")[int(k):]
+                        for t, k in zip(self.teacher_ids[start:end], self.teacher_skip[start:end], strict=True))
 
 
 def _text(ids: Sequence[int], vocab: VocabBytes) -> bytes:
@@ -164,20 +172,21 @@ def _text(ids: Sequence[int], vocab: VocabBytes) -> bytes:
     return b"".join(p for p in parts if p is not None)
 
 
-def _encode(text: str, raw: bytes, teacher: Any, vocab: VocabBytes) -> tuple[list[int], list[int]]:
+def _encode(text: str, raw: bytes, teacher: Any, vocab: VocabBytes) -> tuple[list[int], list[int], int]:
     enc = [int(t) for t in teacher(text, add_special_tokens=False)["input_ids"]]
     pieces = [vocab.pieces[t] if 0 <= t < len(vocab) else None for t in enc]
     if any(p is None for p in pieces):
         raise RoundTripError(f"{CROSS_TOKENIZER}: the teacher's tokenizer turned text into a special token")
     lens = [len(p) for p in pieces if p is not None]
     got = b"".join(p for p in pieces if p is not None)
+    skip = 0
     if got != raw and vocab.prepends_space and got == b" " + raw and lens and lens[0] >= 1:
         lens[0] -= 1  # the space SentencePiece puts before a text is not the student's
-        got = raw
+        got, skip = raw, 1
     if got != raw:
         raise RoundTripError(f"{CROSS_TOKENIZER}: the teacher's tokenizer changes the text "
                              f"({raw[:40]!r} -> {got[:40]!r})")
-    return enc, lens
+    return enc, lens, skip
 
 
 def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
@@ -187,6 +196,7 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
     s_len = np.zeros(len(ids), dtype=np.int64)
     t_ids: list[int] = []
     t_len: list[int] = []
+    t_skip: list[int] = []
     parts: list[tuple[tuple[int, int], tuple[int, int], bool]] = []
     i = 0
     while i < len(ids):
@@ -198,6 +208,7 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
             if match is not None:
                 t_ids.append(int(match))
                 t_len.append(0)
+                t_skip.append(0)
             parts.append(((i, i + 1), (j, len(t_ids)), False))
             i += 1
             continue
@@ -210,14 +221,16 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
         except UnicodeDecodeError as e:
             raise RoundTripError(f"{CROSS_TOKENIZER}: the completion is not UTF-8 text at byte {e.start} "
                                  "of a segment") from None
-        enc, lens = _encode(text, raw, teacher, teacher_vocab)
+        enc, lens, skip = _encode(text, raw, teacher, teacher_vocab)
         s_len[i:end] = [len(student.pieces[t] or b"") for t in ids[i:end]]
         j = len(t_ids)
         t_ids.extend(enc)
         t_len.extend(lens)
+        t_skip.extend([skip] + [0] * (len(enc) - 1))
         parts.append(((i, end), (j, len(t_ids)), True))
         i = end
-    return Retokenized(np.asarray(t_ids, dtype=np.int32), s_len, np.asarray(t_len, dtype=np.int64), parts)
+    return Retokenized(np.asarray(t_ids, dtype=np.int32), s_len, np.asarray(t_len, dtype=np.int64), parts,
+                       np.asarray(t_skip, dtype=np.int64))
 
 
 @dataclass(frozen=True)
