@@ -1,0 +1,105 @@
+"""Where the example learner's step goes on the real pair's student: seconds of each phase, checkpointing every
+step against every N.
+
+    python -m bench.learner_phases [--steps 8] [--every 4] [--model DIR]
+
+Runs ``pipeline.demo.learner.train`` (an embedded Redis, no evaluation) twice on the same synthetic batches
+(``--groups`` groups of 4 completions of 60 tokens, 36 of them trained, teacher top-64, the student's vocabulary):
+with ``--checkpoint-every 1`` (the default: model and AdamW state, about 1.5 GB for the 124M-parameter student,
+written and synced every step) and with ``--checkpoint-every N``. Weights are published every step in both. Prints
+and writes (``--out``/phases.json) the mean seconds of each phase per step from the learner's own records
+(``forward_backward_s``, ``optimizer_s``, ``checkpoint_s``, ``publish_s``, ``wait_s``) and the seconds per step.
+The default model is the real pair's student (``pipeline.demo.realpair``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.provenance import header, run_info
+
+PHASES = ("wait_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "publish_s")
+
+
+async def _feed(url: str, namespace: str, vocab: int, batches: int, groups: int) -> None:
+    from pipeline.config import RedisSettings
+    from pipeline.stages.batching import BatchingConfig
+    from pipeline.stages.feeder import Feeder
+    from pipeline.stages.kl_control import ConstantKL
+    from pipeline.transport.connection import connect
+    from pipeline.transport.keys import Keys
+    from pipeline.transport.producer import StreamProducer
+    from schemas.build import synthetic_rollout, synthetic_scored
+
+    r = connect(RedisSettings(redis_url=url))
+    keys = Keys(namespace)
+    try:
+        prod = StreamProducer(r, keys, "scored", None)
+        for i in range(batches * groups):
+            g = synthetic_rollout(4, 60, vocab=vocab, prompt_len=24, group_id=f"g{i:03d}", seed=i)
+            await prod.send(synthetic_scored(g, k=64, vocab=vocab, seed=i))
+        cfg = BatchingConfig(max_batch_groups=groups, max_wait_s=0.0, max_staleness=1000)
+        await Feeder(r, keys, cfg, ConstantKL(1.0)).run(asyncio.Event(), burst=True)
+    finally:
+        await r.aclose()
+
+
+def measure(model: Path, steps: int, every: int, groups: int, url: str, work: Path) -> dict[str, Any]:
+    """One learner run of ``steps`` steps at ``--checkpoint-every every``: the mean of each phase, s/step."""
+    from pipeline.demo.learner import LearnerConfig, train
+    from pipeline.models.weights import read_config
+
+    namespace = f"phases-{every}"
+    asyncio.run(_feed(url, namespace, int(read_config(model / "config.json")["vocab_size"]), steps, groups))
+    cfg = LearnerConfig(student=str(model), weights_dir=str(work / namespace), steps=steps, lr=2e-4, pg_weight=0.0,
+                        checkpoint_every=every, batch_timeout_s=60.0, redis_url=url, namespace=namespace)
+    recs = [r for r in train(cfg) if r.get("step", 0) > 0]
+    out: dict[str, Any] = {p: round(statistics.fmean(r[p] for r in recs), 3) for p in PHASES}
+    out["s_per_step"] = round((recs[-1]["wall_s"] - recs[0]["wall_s"]) / (len(recs) - 1), 3) if len(recs) > 1 else None
+    out["steps"] = len(recs)
+    out["checkpoints"] = sum(1 for r in recs if r["checkpoint_s"] > 0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from pipeline.cli.embedded import EmbeddedRedis
+
+    p = argparse.ArgumentParser(prog="python -m bench.learner_phases", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--every", type=int, default=4, help="the --checkpoint-every compared with 1")
+    p.add_argument("--groups", type=int, default=2, help="groups of 4 completions a batch")
+    p.add_argument("--model", type=Path, help="the student folder (default: the real pair's student)")
+    p.add_argument("--out", type=Path, default=Path("bench-out/learner-phases"))
+    a = p.parse_args(argv)
+    info = run_info()
+    print(header("bench.learner_phases", info), file=sys.stderr, flush=True)
+    if a.model is None:
+        from pipeline.demo.realpair import ensure_real_pair
+
+        a.model = ensure_real_pair().student
+    torch.set_num_threads(1)  # as the demo's learner process (OMP_NUM_THREADS=1)
+    embedded = EmbeddedRedis().start()
+    report: dict[str, Any] = {"provenance": info, "model": str(a.model), "steps": a.steps, "groups": a.groups}
+    try:
+        with tempfile.TemporaryDirectory(prefix="phases-") as work:
+            for every in (1, a.every):
+                report[f"every_{every}"] = measure(a.model, a.steps, every, a.groups, embedded.url, Path(work))
+                print(f"--checkpoint-every {every}: {report[f'every_{every}']}", flush=True)
+    finally:
+        embedded.stop()
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "phases.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
