@@ -71,3 +71,15 @@ def test_chat_text_round_trips_and_chunks_cover_the_same_bytes(tokenizers: dict[
            f"{share_1to1:.1%} of tokens one-to-one; {share_mapped:.1%} of the teacher's vocabulary maps to the "
            f"student's")
     assert 0.3 < share_1to1 <= 1.0 and share_mapped > 0.05
+
+
+def test_the_alignment_bench_runs() -> None:
+    """``python -m bench.crosstok --quick``: a row per teacher with its share of the HF teacher's time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "bench.crosstok", "--quick"], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| smollm2 -> ")]
+    assert [r.split("|")[1].strip() for r in rows] == ["smollm2 -> qwen2", "smollm2 -> llama-spm"]
+    assert all(r.split("|")[3].strip().endswith("%") for r in rows)
