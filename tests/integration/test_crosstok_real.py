@@ -83,3 +83,15 @@ def test_the_alignment_bench_runs() -> None:
     rows = [line for line in out.splitlines() if line.startswith("| smollm2 -> ")]
     assert [r.split("|")[1].strip() for r in rows] == ["smollm2 -> qwen2", "smollm2 -> llama-spm"]
     assert all(r.split("|")[3].strip().endswith("%") for r in rows)
+
+
+def test_the_docs_block_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The Python block of docs/cross-tokenizer.md, as a user pastes it."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cross-tokenizer.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    exec(compile(block, "docs/cross-tokenizer.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 5 and lines[-1] == "['<|im_end|>'] = ['<|im_end|>']"  # the same content on both sides
