@@ -21,10 +21,12 @@ from pipeline.cli.deadletters import PromptReplay, Refusal, Replay, resample_hin
 from pipeline.cli.groupscan import batches_listing, find_entries
 from pipeline.cli.recovery import assess, dead_letters_of
 from pipeline.config import StreamSettings
-from pipeline.transport.keys import CONSUMER_GROUPS, Keys
+from pipeline.transport.keys import CONSUMER_GROUPS, Keys, family, pool_stream, stream_pool
+from pipeline.transport.pools import known_pools
 from pipeline.transport.producer import F_ID
 from pipeline.transport.prompts import candidates, read_record
 from pipeline.transport.sharding import get_shards
+from schemas.pools import DEFAULT_POOL
 
 
 @dataclass(slots=True)
@@ -77,11 +79,12 @@ async def _pending(redis: aioredis.Redis, key: str, group: str, entry_id: str, s
 async def locate(redis: aioredis.Redis, keys: Keys, group_id: str) -> Whereabouts:
     w = Whereabouts(group_id, keys.namespace)
     shards = await get_shards(redis, keys)
-    for stream in ("prompts", "rollouts", "scored"):
+    pools = [pool_stream(p) for p in await known_pools(redis, keys)]  # rollouts and every teacher pool's stream
+    for stream in ("prompts", *pools, "scored"):
         key = keys.stream_for(stream, group_id, shards)
         for eid in await find_entries(redis, key, group_id, F_ID):
             s = Sighting(stream, eid)
-            await _pending(redis, key, CONSUMER_GROUPS[stream], eid, s)
+            await _pending(redis, key, CONSUMER_GROUPS[family(stream)], eid, s)
             w.entries.append(s)
     for eid, batch_id in await batches_listing(redis, keys, group_id):
         s = Sighting("batches", eid, detail=f"batch {batch_id}")
@@ -92,7 +95,7 @@ async def locate(redis: aioredis.Redis, keys: Keys, group_id: str) -> Whereabout
         plan = await assess(redis, keys, eid, fields, settings=settings)
         w.entries.append(Sighting("dlq", eid, detail=f"stage {_s(fields.get(b'stage', b''))}: "
                                                      f"{_s(fields.get(b'reason', b''))}", advice=advice(eid, plan)))
-    for stream in ("rollouts", "scored", "batches"):
+    for stream in (*pools, "scored", "batches"):
         mk = keys.seen(stream, group_id, shards)
         value, ttl = await redis.get(mk), await redis.pttl(mk)
         if value is not None:
@@ -157,8 +160,9 @@ def _flowing(by: set[str]) -> str | None:
         return "in a batch the learner has not acknowledged yet"
     if "scored" in by:
         return "scored, waiting for the feeder"
-    if "rollouts" in by:
-        return "waiting for a teacher worker"
+    for stream in sorted(by):
+        if (pool := stream_pool(stream)) is not None:
+            return "waiting for a teacher worker" + ("" if pool == DEFAULT_POOL else f" of pool {pool}")
     return None
 
 
@@ -176,7 +180,7 @@ def summarize(w: Whereabouts) -> str:
     if flowing is not None:
         return flowing
     if w.dropped is not None:
-        first = marked.get("rollouts") or marked.get("scored")
+        first = next((m for name, m in marked.items() if stream_pool(name) is not None), marked.get("scored"))
         reason = str(w.dropped.get("reason"))
         todo = resample_hint(w.group_id) if reason == "stale" else "push it again with distillq push --force FILE"
         return (f"dropped by the feeder ({reason}); a push of the same group id is skipped as already present "

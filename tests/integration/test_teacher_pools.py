@@ -182,3 +182,15 @@ async def test_stats_shows_each_pool_and_names_one_without_a_worker(
     assert await asyncio.to_thread(main, ["stats", "--redis-url", redis_url, "--namespace", keys.namespace]) == 0
     out = capsys.readouterr().out
     assert "teacher pools: 2" in out and "teacher (math)" in out
+
+
+def test_where_finds_a_group_waiting_for_its_pool(tmp_path: Path, redis_url: str, keys: Keys,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "groups.jsonl"
+    f.write_text(_line("m1", {"teacher": "math"}) + "\n")
+    common = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    assert main(["push", str(f), *common]) == 0
+    capsys.readouterr()
+    assert main(["where", "m1", *common]) == 0
+    out = capsys.readouterr().out
+    assert "rollouts.math" in out and "waiting for a teacher worker of pool math" in out
