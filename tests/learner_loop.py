@@ -1,7 +1,7 @@
 """One rank of a 2-rank torch DDP (gloo, CPU) learner for the closed loop (tests/integration/test_closed_loop.py).
 
     python -m tests.learner_loop --rank R --world-size N --port P --student DIR --weights-dir DIR --steps S
-        --record OUT.jsonl [--eval-teacher DIR] [--hold-at-step K] [--lr LR]
+        --record OUT.jsonl [--eval-teacher DIR] [--hold-at-step K] [--lr LR] [--checkpoint-dir DIR]
 
 The example learner (``pipeline.demo.learner``) on N ranks: each rank reads its part of the same batch
 (``Learner(rank=, world_size=)``), the losses are those of ``example.optimiser_step`` summed and divided by
@@ -82,6 +82,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("port", "student", "weights-dir", "record"):
         p.add_argument(f"--{name}", required=True)
     p.add_argument("--eval-teacher")
+    p.add_argument("--checkpoint-dir")  # default: WEIGHTS_DIR/checkpoint (required when --weights-dir is a URL)
     p.add_argument("--hold-at-step", type=int, default=0)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch-timeout", type=float, default=300.0)
@@ -96,7 +97,7 @@ class Rank:
         torch.manual_seed(0)
         self.student = load_causal_lm(a.student)
         self.opt = torch.optim.AdamW(self.student.parameters(), lr=a.lr, weight_decay=0.0)
-        self.ckpt_dir = Path(a.weights_dir) / "checkpoint"
+        self.ckpt_dir = Path(a.checkpoint_dir) if a.checkpoint_dir else Path(a.weights_dir) / "checkpoint"
         self.ckpt = load_checkpoint(self.ckpt_dir, self.student, self.opt)  # every rank restores the same state
         self.model = DistributedDataParallel(StepLoss(self.student))
         self.teacher: Any = None

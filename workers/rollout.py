@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 
 import redis.asyncio as aioredis
@@ -18,6 +19,7 @@ from pipeline.rollout.students.base import StudentBackend
 from pipeline.stages.rollout_stage import RolloutConfig, RolloutStage, published_version
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.keys import Keys
+from pipeline.weightstore.follow import Follower
 from schemas.pools import pool_problem
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import RolloutSettings, gen_params, student_urls
@@ -59,13 +61,24 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
+    follower = Follower.open(args.weights_dir)  # a URL: mirrored into a local folder every loader reads
+    if follower is not None:
+        args = argparse.Namespace(**{**vars(args), "weights_dir": str(follower.local_dir)})
+    backend = make_backend(args)
+    published = published_version(redis, keys)
+    if follower is not None:
+        refusals = getattr(backend, "checkpoint_refusals", None)
+        if refusals is not None:
+            follower.on_refused = lambda e: refusals.refuse(e, kept=follower.version)
+        published = follower.version_source(published)
     cfg = RolloutConfig(group_size=args.group_size, weights_dir=args.weights_dir,
                         params=gen_params(from_args(RolloutSettings, args)))
-    stage = RolloutStage(make_backend(args), get_reward(args.reward), cfg, published_version(redis, keys))
+    stage = RolloutStage(backend, get_reward(args.reward), cfg, published)
     shards, _ = await shard_plan(args, redis, keys, stop)
     worker = RolloutWorker(redis, keys, stage, stream_settings(args), consumer_name=args.consumer_name, shards=shards,
-                           max_jobs=args.max_jobs, burst=args.burst, teacher=args.teacher)
-    await worker.run(stop)
+                           max_jobs=args.max_jobs, burst=args.burst)
+    async with follower.running(stop) if follower is not None else contextlib.nullcontext():
+        await worker.run(stop)
 
 
 def main(args: argparse.Namespace) -> int:

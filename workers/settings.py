@@ -252,10 +252,12 @@ class RolloutSettings(FlagSettings):
     teacher: Annotated[str | None, Flag(env="ROLLOUT_TEACHER", metavar="NAME", default_text="`default`")] = Field(
         None, description="the teacher pool of the groups of prompts that name none (a prompt's `teacher`, or its "
                           "`group_overrides.teacher`, wins) ([teacher-pools.md](teacher-pools.md))")
-    weights_dir: Annotated[str | None, Flag(env="WEIGHTS_DIR", metavar="DIR")] = Field(
+    weights_dir: Annotated[str | None, Flag(env="WEIGHTS_DIR", metavar="DIR|URL")] = Field(
         None, description="keep the student on the newest version a learner publishes there (`publish_weights`): hf "
                           "reloads it in process; vllm reloads every `--url` server in place and tags each group with "
-                          "the version the server reports ([learner.md](learner.md#policy-version-and-weight-sync))")
+                          "the version the server reports ([learner.md](learner.md#policy-version-and-weight-sync)). "
+                          "A `redis://` or `s3://` URL is mirrored into a local folder the servers must see "
+                          "([weights.md](weights.md))")
     weights_sync: Annotated[WeightsSync, Flag(env="WEIGHTS_SYNC")] = Field(
         "vllm", description="how servers load a version: `vllm` (`reload_weights`; the server needs "
                             "`VLLM_SERVER_DEV_MODE=1`), `vllm-lora` (an adapter per version; `--enable-lora`, "

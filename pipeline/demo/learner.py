@@ -55,6 +55,7 @@ from pipeline.learner.teacher_weights import parse_teacher_weights, weigh
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.exits import run_command
+from pipeline.weightstore.stores import is_url
 from schemas import TrainBatch
 
 log = structlog.get_logger("distillq.example_learner")
@@ -378,8 +379,9 @@ class LearnerSettings(FlagSettings):
     ``--redis-url``/``--namespace``, ``RedisSettings``)."""
 
     student: Annotated[str, Flag(metavar="DIR")] = Field(description="the student model folder it starts from")
-    weights_dir: Annotated[str, Flag(metavar="DIR")] = Field(
-        description="where each published version's checkpoint folder goes")
+    weights_dir: Annotated[str, Flag(metavar="DIR|URL")] = Field(
+        description="where each published version goes: a folder, or a `redis://` or `s3://` URL "
+                    "([weights.md](weights.md))")
     steps: Annotated[int, Flag(metavar="N")] = Field(300, description="training steps")
     lr: Annotated[float, Flag(metavar="LR")] = Field(2e-3, description="AdamW learning rate")
     lr_decay: Annotated[Literal["none", "linear"], Flag(metavar="none|linear", parse=_lr_decay)] = Field(
@@ -466,7 +468,11 @@ def check_config(cfg: LearnerConfig) -> None:
 def run(cfg: LearnerConfig) -> int:
     """Check ``cfg``, train: 0 when a step ran, 1 when none did (no batch within ``batch_timeout_s``)."""
     check_config(cfg)
-    Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
+    if is_url(cfg.weights_dir):  # redis:// or s3:// (docs/weights.md): the checkpoint needs a folder of its own
+        if not cfg.checkpoint_dir:
+            raise ConfigurationError("--checkpoint-dir is required when --weights-dir is a URL")
+    else:
+        Path(cfg.weights_dir).mkdir(parents=True, exist_ok=True)
     history = train(cfg)
     return 0 if len(history) > 1 else 1  # history[0] is the step-0 record: no step ran without a batch
 

@@ -17,7 +17,8 @@ DDP replicas are identical: rank 0 writes its own, no gather. Without ``torch.di
 The location may be a URL instead of a folder (``redis://host:port/db``, ``s3://bucket/prefix``: docs/weights.md):
 the folder is then written into a local staging folder of this process and uploaded to the store
 (``pipeline.weightstore.writer``: a snapshot every ``snapshot_every`` versions, deltas between, the newest
-``keep`` kept) before the version is announced; a scheme that is not supported raises ``ConfigurationError``.
+``keep`` kept; ``?keep=K&snapshot_every=N`` in the URL override both) before the version is announced; a scheme
+that is not supported raises ``ConfigurationError``.
 ``dtype`` (``"bfloat16"``, ...) casts the floating tensors written, whatever the location.
 """
 
@@ -47,7 +48,7 @@ from pipeline.models.weights import (
 )  # fmt: skip
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import Keys
-from pipeline.weightstore.stores import is_url, open_store, redact
+from pipeline.weightstore.stores import is_url, open_store, redact, writer_options
 from pipeline.weightstore.writer import Uploader, UploadReport
 
 log = structlog.get_logger("distillq.publish")
@@ -215,7 +216,8 @@ def publish_weights(
             path = write_checkpoint(model, version, directory, state_dict=state, tokenizer_dir=tokenizer_dir,
                                     max_shard_size=max_shard_size, keep=keep)
         else:
-            uploader, staging = _uploader(url, snapshot_every, keep)
+            options = writer_options(url)  # ?keep=K&snapshot_every=N in the URL win over the arguments
+            uploader, staging = _uploader(url, options.get("snapshot_every", snapshot_every), options.get("keep", keep))
             path = write_checkpoint(model, version, staging, state_dict=state, tokenizer_dir=tokenizer_dir,
                                     max_shard_size=max_shard_size, keep=2)
             report = uploader.upload(version, path)

@@ -48,11 +48,12 @@ class Mirror:
     def version(self) -> int | None:
         return self.held.version if self.held is not None else None
 
-    def sync(self) -> int | None:
-        """Bring the local folder to the store's newest version; the version held afterwards (``None``: nothing
-        published yet). ``CheckpointError`` naming the version when the newest cannot be rebuilt (the version
-        held stays in place); a version refused once returns the held version quietly until a newer one comes."""
-        newest = self.store.latest()
+    def sync(self, version: int | None = None) -> int | None:
+        """Bring the local folder to the store's newest version (or to ``version``); the version held afterwards
+        (``None``: nothing published yet). ``CheckpointError`` naming the version when it cannot be rebuilt (the
+        version held stays in place); a version refused once returns the held version quietly until a newer one
+        comes."""
+        newest = self.store.latest() if version is None else version
         if newest is None or (self.held is not None and newest == self.held.version):
             return self.version
         raw = self.store.manifest(newest)
@@ -87,7 +88,9 @@ class Mirror:
     def _rebuild(self, newest: mf.Manifest) -> None:
         t0 = time.perf_counter()
         chain = self._chain(newest)
-        base_dir = self.local / folder_name(self.held.version) if self.held is not None and chain[0].base else None
+        base_dir = None  # the version held, when the chain starts from it (not from a snapshot)
+        if self.held is not None and chain[0].base is not None:
+            base_dir = self.local / folder_name(self.held.version)
         fetched = 0
         tmps: list[Path] = []
         try:

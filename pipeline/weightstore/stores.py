@@ -67,13 +67,37 @@ def redact(url: str) -> str:
     return url
 
 
+#: Query parameters of a store URL that set how a learner writes it (readers ignore them).
+WRITER_OPTIONS = ("keep", "snapshot_every")
+
+
+def writer_options(url: str) -> dict[str, int]:
+    """``keep`` and ``snapshot_every`` from a store URL's query (``redis://h:6379/1?keep=3&snapshot_every=10``);
+    ``ConfigurationError`` for one that is not a positive integer."""
+    out = {}
+    for name, values in parse_qs(urlsplit(url).query).items():
+        if name in WRITER_OPTIONS:
+            if not values[-1].isdigit() or int(values[-1]) < 1:
+                raise ConfigurationError(f"weights location {redact(url)}: {name} must be a positive integer")
+            out[name] = int(values[-1])
+    return out
+
+
+def _without(url: str, names: tuple[str, ...]) -> str:
+    parts = urlsplit(url)
+    query = [(k, v) for k, vs in parse_qs(parts.query).items() if k not in names for v in vs]
+    return urlunsplit(parts._replace(query="&".join(f"{k}={v}" for k, v in query)))
+
+
 def open_store(url: str) -> WeightStore:
     scheme = scheme_of(url)
     if scheme is None:
         raise ConfigurationError(f"{url!r} is a folder, not a weights store URL")
+    writer_options(url)  # malformed options are refused by readers too
+    bare = _without(url, WRITER_OPTIONS)
     if scheme in ("redis", "rediss"):
-        return RedisStore(url)
-    return FsspecStore(url)
+        return RedisStore(bare)
+    return FsspecStore(bare)
 
 
 class RedisStore:
@@ -85,6 +109,8 @@ class RedisStore:
         parts = urlsplit(url)
         query = parse_qs(parts.query)
         prefix = query.pop("prefix", [DEFAULT_PREFIX])[0]
+        for name in WRITER_OPTIONS:
+            query.pop(name, None)
         rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
         self.url = url
         self.keys = WeightKeys(prefix)

@@ -90,7 +90,7 @@ def test_snapshot_then_deltas_rebuild_bit_exact(kind: str, tmp_path: Path) -> No
     up = Uploader(store, snapshot_every=3, keep=2)
     reader = Mirror(store, tmp_path / "reader")
     reports = []
-    for v in range(1, 6):
+    for v in range(0, 5):  # from version 0, as a learner publishes its starting weights
         folder = _publish(up, tmp_path, v)
         reports.append(up.upload(v, folder))
         assert reader.sync() == v
@@ -101,9 +101,9 @@ def test_snapshot_then_deltas_rebuild_bit_exact(kind: str, tmp_path: Path) -> No
     assert [r.snapshot for r in reports] == [True, False, False, True, False]
     full = reports[0].stored_bytes
     assert all(r.stored_bytes < full / 5 for r in reports[1:3])  # deltas: a fraction of a snapshot
-    # kept: the newest 2 and the snapshot the newest needs (v4); v1..v3 dropped with their chunks
-    assert store.versions() == [4, 5]
-    assert store.get("v00000002/0.0") is None
+    # kept: the newest 2 and the snapshot the newest needs (v3); v0..v2 dropped with their chunks
+    assert store.versions() == [3, 4]
+    assert store.get("v00000001/0.0") is None
 
 
 def test_reader_that_missed_versions_catches_up_from_the_snapshot(tmp_path: Path) -> None:
