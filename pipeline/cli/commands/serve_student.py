@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -41,6 +42,7 @@ from pipeline.stages.exits import EXIT_USAGE, CliError, fail, run_command
 if TYPE_CHECKING:  # the server's modules load when it runs, not when the CLI parser is built
     from pipeline.rollout.students.base import StudentBackend
     from pipeline.serve.student.service import StudentServeConfig
+    from pipeline.weightstore.follow import Follower
 
 log = structlog.get_logger(__name__)
 
@@ -116,13 +118,27 @@ async def _serve(
     config: StudentServeConfig,
     *,
     started: Callable[[Any], None] | None = None,
+    follower: Follower | None = None,
 ) -> int:
     """Serve until the server stops (a signal; ``started`` gets the uvicorn server once it listens), then
-    close the backend (the vLLM client's connections)."""
+    close the backend (the vLLM client's connections). ``follower``: a weights URL mirrored into the local folder
+    the servers load from (``pipeline.weightstore.follow``), kept on the newest version meanwhile."""
     from pipeline.rollout.synced import SyncedStudent
 
     synced = backend if isinstance(backend, SyncedStudent) else None
     stop = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        if follower is not None:
+            if synced is not None:
+                follower.on_refused = lambda e: synced.checkpoint_refusals.refuse(e, kept=follower.version)
+            await stack.enter_async_context(follower.running(stop))
+        return await _serve_synced(args, backend, config, synced, stop, started)
+
+
+async def _serve_synced(
+    args: argparse.Namespace, backend: StudentBackend, config: StudentServeConfig, synced: Any, stop: asyncio.Event,
+    started: Callable[[Any], None] | None,
+) -> int:
     syncer = None
     try:
         if synced is not None:
@@ -220,6 +236,11 @@ def run_student(args: argparse.Namespace) -> int:
         raise CliError(problem, EXIT_USAGE)
     rs = redis_settings_from_args(args)  # a malformed --redis-url or DISTILLQ_* setting: ValidationError
     run(ensure_reachable(rs))  # before the model loads: a Redis that is away is said at once
+    from pipeline.weightstore.follow import Follower
+
+    follower = Follower.open(args.weights_dir)  # a redis:// or s3:// URL: mirrored into a local folder
+    if follower is not None:
+        args = argparse.Namespace(**{**vars(args), "weights_dir": str(follower.local_dir)})
     try:
         backend, config = _hf_backend(args) if args.backend == "hf" else _vllm_backend(args)
     except (ValueError, OSError) as e:
@@ -227,7 +248,7 @@ def run_student(args: argparse.Namespace) -> int:
     from pipeline.metrics import serve_metrics
 
     serve_metrics(args.metrics_port)
-    return asyncio.run(_serve(args, backend, config))
+    return asyncio.run(_serve(args, backend, config, follower=follower))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

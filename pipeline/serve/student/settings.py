@@ -53,10 +53,11 @@ class StudentServeSettings(FlagSettings):
     policy_version: int = Field(
         0, description="`policy_version` of the groups pushed (with `--weights-dir` the version comes from the "
                        "server)")
-    weights_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
+    weights_dir: Annotated[str | None, Flag(metavar="DIR|URL")] = Field(
         None, description="vllm: keep every `--url` server on the newest version a learner publishes there; each "
                           "group carries the version its requests ran on (a rollout whose requests straddle a reload "
-                          "is dropped at finish, counted in `distillq_unattributed_samples_total`)")
+                          "is dropped at finish, counted in `distillq_unattributed_samples_total`). A `redis://` or "
+                          "`s3://` URL is mirrored into a local folder the servers must see ([weights.md](weights.md))")
     weights_sync: Annotated[WeightsSync, Flag(env="WEIGHTS_SYNC")] = Field(
         "vllm", description="with `--weights-dir`: `vllm` (reload in place), `vllm-lora` (an adapter per version) or "
                             "`sglang`, as for `worker rollout`")
