@@ -134,12 +134,12 @@ def optimise(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Ten
 
 def main(argv: list[str]) -> int:
     a = parse(argv)
-    cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    restart = init_ranks("nccl" if cuda else "gloo")
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        print("pipeline.demo.ranks_learner: run it under torchrun (torchrun --standalone --nproc-per-node N "
+              "-m pipeline.demo.ranks_learner ...): RANK, WORLD_SIZE and MASTER_ADDR are not set", file=sys.stderr)
+        return 2
+    device = rank_device()
+    restart = init_ranks("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     record = Recorder(a.record, rank, restart)
     holds = {(int(r), int(s), phase) for r, s, phase in (h.split(":") for h in a.hold)}
@@ -186,6 +186,15 @@ def main(argv: list[str]) -> int:
         record("end", step=step, version=version)
     dist.destroy_process_group()
     return 0
+
+
+def rank_device() -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``) when there are GPUs, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_ranks(backend: str, timeout_s: float = 600.0) -> int:
