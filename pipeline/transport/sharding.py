@@ -17,7 +17,9 @@ import redis.asyncio as aioredis
 from pipeline.config import StreamSettings
 from pipeline.errors import ConfigurationError
 from pipeline.transport.consumer import Delivery, StreamConsumer
-from pipeline.transport.keys import MAX_SHARDS, SHARDABLE, Keys, family
+from pipeline.transport.keys import MAX_SHARDS, SHARDABLE, Keys, family, pool_stream
+from pipeline.transport.pools import known_pools
+from schemas.pools import DEFAULT_POOL
 
 SHARDS_FIELD = "shards"
 
@@ -42,7 +44,8 @@ async def set_shards(redis: aioredis.Redis, keys: Keys, shards: int, *, force: b
         raise ShardConfigError(f"shards must be in [1, {MAX_SHARDS}]")
     current = await get_shards(redis, keys)
     if not force and current != shards:
-        for name in sorted(SHARDABLE):
+        pools = [pool_stream(p) for p in await known_pools(redis, keys) if p != DEFAULT_POOL]  # sharded alike
+        for name in [*sorted(SHARDABLE), *pools]:
             for key in keys.streams(name, current):
                 n = await redis.xlen(key)
                 if n:

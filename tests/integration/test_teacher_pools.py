@@ -194,3 +194,11 @@ def test_where_finds_a_group_waiting_for_its_pool(tmp_path: Path, redis_url: str
     assert main(["where", "m1", *common]) == 0
     out = capsys.readouterr().out
     assert "rollouts.math" in out and "waiting for a teacher worker of pool math" in out
+
+
+async def test_resharding_refuses_while_a_pool_stream_holds_groups(r: aioredis.Redis, keys: Keys) -> None:
+    from pipeline.transport.sharding import ShardConfigError, set_shards
+
+    await PoolProducer(r, keys).send(synthetic_rollout(1, 6, group_id="m0", group_overrides={"teacher": "math"}))
+    with pytest.raises(ShardConfigError, match="rollouts.math"):
+        await set_shards(r, keys, 4)
