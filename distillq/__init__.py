@@ -33,6 +33,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from pipeline.demo.realpair import RealPairUnavailable
+from pipeline.demo.vocabs import VocabUnavailable
 from pipeline.errors import (
     ApiError,
     BackendError,
@@ -57,6 +58,7 @@ from pipeline.serve.student.validation import RequestError
 from pipeline.serve.student.verifiers import groups_from_traces
 from pipeline.stages.exits import CliError
 from pipeline.teacher.base import TeacherConfigError
+from pipeline.teacher.crosstok import RoundTripError
 from pipeline.teacher.vllm_engine_proc import HookMissing
 from pipeline.teacher.vocab import VocabMismatchError
 from pipeline.transport.connection import ClusterUnreachableError
@@ -169,6 +171,7 @@ __all__ = [
     "RealPairUnavailable",
     "RequestError",
     "RolloutGroup",
+    "RoundTripError",
     "ScoredGroup",
     "Sequence",
     "ServeError",
@@ -180,6 +183,7 @@ __all__ = [
     "TrainBatch",
     "TransportError",
     "VocabMismatchError",
+    "VocabUnavailable",
     "WireFormatError",
     "chunked_generalized_jsd",
     "chunked_importance_sampled_pg_loss",

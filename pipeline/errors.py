@@ -5,10 +5,12 @@
 family                      its classes (home module)
 ==========================  ===================================================================================
 ``WireFormatError``         ``DecodeError`` and its ``InvalidLogprobs`` (``schemas.validate``), ``ArrayError``
-                            (``schemas.arrays``), ``BadPrompt`` (``pipeline.transport.prompts``)
+                            (``schemas.arrays``), ``BadPrompt`` (``pipeline.transport.prompts``),
+                            ``RoundTripError`` (``pipeline.teacher.crosstok``)
 ``ConfigurationError``      ``TeacherConfigError`` (``pipeline.teacher.base``), ``VocabMismatchError``
                             (``pipeline.teacher.vocab``), ``ShardConfigError`` (``pipeline.transport.sharding``),
-                            ``RealPairUnavailable`` (``pipeline.demo.realpair``); itself where no narrower class
+                            ``RealPairUnavailable`` (``pipeline.demo.realpair``), ``VocabUnavailable``
+                            (``pipeline.demo.vocabs``); itself where no narrower class
                             fits (``workers.rollout``, ``pipeline.demo.learner``)
 ``BackendError``            ``StudentBackendError`` (``pipeline.rollout.students.base``), ``EngineError``
                             (``pipeline.rollout.sync_engines``), ``HookMissing`` (``pipeline.teacher.vllm_engine_proc``)

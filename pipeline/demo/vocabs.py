@@ -34,7 +34,7 @@ VOCABS: dict[str, tuple[str, int]] = {
 DEFAULT_CACHE = Path(env("CACHE") or ".cache") / "vocabs"
 
 
-class VocabUnavailable(ConfigurationError):
+class VocabUnavailable(ConfigurationError, RuntimeError):
     """The vocabulary cannot be had here: no network to PyPI, a changed file, an unknown name."""
 
 

@@ -41,11 +41,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.errors import WireFormatError
+
 #: The reason prefix of a group whose text does not survive the teacher's tokenizer.
 CROSS_TOKENIZER = "cross_tokenizer"
 
 
-class RoundTripError(ValueError):
+class RoundTripError(WireFormatError, ValueError):
     """The student's text does not come back byte for byte through the teacher's tokenizer (or is not UTF-8)."""
 
 
