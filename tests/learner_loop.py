@@ -174,10 +174,9 @@ class Rank:
                        "groups": part_record(lb)})
             self.train_step(tb, counts, step, lb.batch.batch_id)
             version += 1
-            if self.rank == 0:
-                save_checkpoint(self.ckpt_dir, self.student, self.opt, step=step, policy_version=version,
-                                batch_ids=[lb.batch.batch_id])
-            dist.barrier()  # the checkpoint is written before any rank acks
+            # Every rank: rank 0 writes, and all return after a barrier, so no rank acks before it is written.
+            save_checkpoint(self.ckpt_dir, self.student, self.opt, step=step, policy_version=version,
+                            batch_ids=[lb.batch.batch_id])
             ok = learner.ack(lb)
             self.emit({"event": "acked", "step": step, "batch_id": lb.batch.batch_id, "ok": ok})
             learner.publish_weights(self.student, version, a.weights_dir, keep=KEEP_ALL, tokenizer_dir=a.student)
