@@ -239,6 +239,13 @@ def publish_weights(
 _UPLOADERS: dict[str, tuple[Uploader, Path]] = {}
 
 
+def last_upload(url: str) -> UploadReport | None:
+    """The report of this process's last ``publish_weights`` to ``url``: full and stored bytes, seconds, versions
+    kept (``None`` before the first)."""
+    got = _UPLOADERS.get(url)
+    return got[0].last_report if got is not None else None
+
+
 def _uploader(url: str, snapshot_every: int, keep: int) -> tuple[Uploader, Path]:
     got = _UPLOADERS.get(url)
     if got is None:
@@ -258,7 +265,17 @@ def _cast(state: dict[str, Any], dtype: str) -> dict[str, Any]:
     to = getattr(torch, dtype, None)
     if not isinstance(to, torch.dtype) or not to.is_floating_point:
         raise ValueError(f"dtype must name a floating torch dtype (bfloat16, float16, float32), got {dtype!r}")
-    return {k: v.to(to) if v.is_floating_point() else v for k, v in state.items()}
+    out: dict[str, Any] = {}
+    cast: dict[int, Any] = {}  # tensors that share storage (tied embeddings) stay shared, so they are written once
+    for k, v in state.items():
+        if not v.is_floating_point():
+            out[k] = v
+            continue
+        key = v.untyped_storage().data_ptr()
+        if key not in cast:
+            cast[key] = v.to(to)
+        out[k] = cast[key]
+    return out
 
 
 def _redis_publisher(redis_url: str | None, namespace: str | None) -> Callable[[int], None]:

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
@@ -131,23 +132,20 @@ class Mirror:
                 base = (base_dir / entry.name).open("rb")
             whole = hashlib.sha256()
             try:
-                with (out / entry.name).open("wb") as f:
+                with (out / entry.name).open("wb") as f, ThreadPoolExecutor(2) as pool:
+                    pending: list[Future[bytes]] = []  # fetched and decoded two at a time, written in order
                     for c in entry.chunks:
-                        stored = self.store.get(c.name)
-                        if stored is None:
-                            raise CheckpointError(f"v{m.version}: chunk {c.name} of {entry.name} is missing (a torn "
-                                                  "upload or an evicted key)", "incomplete", m.version)
-                        if len(stored) != c.stored or sha256(stored) != c.sha256:
-                            raise CheckpointError(f"v{m.version}: chunk {c.name} of {entry.name} fails its sha256 "
-                                                  f"({len(stored)} bytes, {c.stored} written)", "corrupt", m.version)
                         prev = base.read(c.raw) if base is not None else None
-                        try:
-                            raw = decode_chunk(stored, prev, entry.itemsize, c.raw)
-                        except CodecError as e:
-                            raise CheckpointError(f"v{m.version}: chunk {c.name}: {e}", "corrupt", m.version) from None
+                        pending.append(pool.submit(self._chunk, m, entry, c, prev))
+                        if len(pending) >= 3:
+                            raw = pending.pop(0).result()
+                            whole.update(raw)
+                            f.write(raw)
+                    for fu in pending:
+                        raw = fu.result()
                         whole.update(raw)
                         f.write(raw)
-                        fetched += len(stored)
+                fetched += sum(c.stored for c in entry.chunks)
             finally:
                 if base is not None:
                     base.close()
@@ -156,6 +154,20 @@ class Mirror:
                                       f"(a delta applied to other weights than its base v{m.base})", "corrupt",
                                       m.version)
         return fetched
+
+    def _chunk(self, m: mf.Manifest, entry: mf.FileEntry, c: mf.ChunkRef, prev: bytes | None) -> bytes:
+        """One chunk fetched, checked against its sha256 and decoded (``CheckpointError`` naming it otherwise)."""
+        stored = self.store.get(c.name)
+        if stored is None:
+            raise CheckpointError(f"v{m.version}: chunk {c.name} of {entry.name} is missing (a torn upload or an "
+                                  "evicted key)", "incomplete", m.version)
+        if len(stored) != c.stored or sha256(stored) != c.sha256:
+            raise CheckpointError(f"v{m.version}: chunk {c.name} of {entry.name} fails its sha256 ({len(stored)} "
+                                  f"bytes, {c.stored} written)", "corrupt", m.version)
+        try:
+            return decode_chunk(stored, prev, entry.itemsize, c.raw)
+        except CodecError as e:
+            raise CheckpointError(f"v{m.version}: chunk {c.name}: {e}", "corrupt", m.version) from None
 
     def _prune_local(self) -> None:
         versions = published_versions(self.local)

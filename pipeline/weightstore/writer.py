@@ -64,6 +64,7 @@ class Uploader:
         self.store, self.snapshot_every, self.keep, self.threads = store, snapshot_every, keep, threads
         self.last: mf.Manifest | None = None
         self.last_folder: Path | None = None
+        self.last_report: UploadReport | None = None
 
     def _base(self) -> tuple[mf.Manifest, Path] | None:
         last, folder = self.last, self.last_folder
@@ -101,6 +102,7 @@ class Uploader:
         kept, dropped = self._prune(m)
         report = UploadReport(version, base is None, m.full_bytes, m.stored_bytes, time.perf_counter() - t0,
                               tuple(kept), tuple(dropped))
+        self.last_report = report
         log.info("weights_uploaded", version=version, snapshot=report.snapshot, full_bytes=report.full_bytes,
                  stored_bytes=report.stored_bytes, seconds=round(report.seconds, 3), kept=kept, dropped=dropped)
         return report
