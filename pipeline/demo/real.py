@@ -55,10 +55,13 @@ class RealDemoConfig:
     threads: int = 1
     evaluate: bool = True  # False: the learner evaluates nothing (bench.vs_trl evaluates the published weights)
     checkpoint_every: int = 1  # the learner's --checkpoint-every; the feeder's ready-batch cap follows it
+    weights_url: str | None = None  # redis:// or s3:// (docs/weights.md): the weights there, not in out/weights
 
 
 def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[ProcSpec]:
-    weights = str(cfg.out / "weights")
+    weights = cfg.weights_url or str(cfg.out / "weights")
+    # with a URL the learner's checkpoint has a folder of its own (the rollout worker shares no folder with it)
+    checkpoint = ["--checkpoint-dir", str(cfg.out / "checkpoint")] if cfg.weights_url else []
     return [
         ProcSpec("rollout-0", distillq_argv(
             "worker", "rollout", "--backend", "hf", "--model", str(student), "--weights-dir", weights,
@@ -77,7 +80,8 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.demo.learner", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(cfg.steps), "--lr", str(cfg.lr),
                              "--lr-decay", "linear", "--pg-weight", str(cfg.pg_weight),
-                             "--checkpoint-every", str(cfg.checkpoint_every), *evaluation_args(cfg, teacher),
+                             "--checkpoint-every", str(cfg.checkpoint_every), *checkpoint,
+                             *evaluation_args(cfg, teacher),
                              "--device", cfg.device, "--metrics-file",
                              str(cfg.out / "metrics.jsonl"), "--batch-timeout", "300"], restart=False),
     ]
@@ -152,6 +156,11 @@ def final_eval(result: DemoResult, cfg: RealDemoConfig, student: Path, teacher: 
                        heldout_file=str(cfg.out / "heldout.jsonl"),
                        eval_max_new=cfg.eval_max_new, device=cfg.device)
     model = load_causal_lm(student).to(cfg.device)
+    if cfg.weights_url:  # the newest version fetched from the store into out/weights first
+        from pipeline.weightstore.mirror import Mirror
+        from pipeline.weightstore.stores import open_store
+
+        Mirror(open_store(cfg.weights_url), lc.weights_dir).sync()
     version = load_weights(model, lc.weights_dir)
     evaluator = Evaluator(lc, model, AutoTokenizer.from_pretrained(str(student)))
     step = int(steps[-1]["step"])

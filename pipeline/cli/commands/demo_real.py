@@ -75,7 +75,8 @@ def main(args: argparse.Namespace) -> int:
             console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
         namespace = args.namespace or env("NAMESPACE") or "demo"
         cfg = RealDemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or RealDemoConfig.steps,
-                             timeout_s=args.timeout or RealDemoConfig.timeout_s, device=args.device)
+                             timeout_s=args.timeout or RealDemoConfig.timeout_s, device=args.device,
+                             weights_url=getattr(args, "weights_url", None))
         console.print(f"enqueued {enqueue(cfg)} prompts")
         result = run_pipeline(cfg, pair.student, pair.teacher, console)
         with console.status("evaluating the last published weights..."):
