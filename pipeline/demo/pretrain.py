@@ -27,9 +27,11 @@ def chat_ids(tokenizer: object, question: str, answer: str | None = None) -> lis
 def train_teacher(
     tiny: TinyModels, *, steps: int = 150, batch: int = 64, lr: float = 5e-3, seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
+    problems: list[tuple[str, str]] | None = None, name: str = "teacher",
 ) -> Path:
-    """Train the teacher on ``a+b=`` problems; returns the trained model dir (cached)."""
-    out = tiny.root / f"teacher-trained-{steps}"
+    """Train the teacher on ``a+b=`` problems (or ``problems``, cached as ``name``); returns the trained model dir
+    (cached)."""
+    out = tiny.root / f"{name}-trained-{steps}"
     if (out / "DONE").exists():
         return out
     from transformers import AutoTokenizer
@@ -40,7 +42,7 @@ def train_teacher(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     texts = [tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                                     tokenize=False) for q, a in all_problems()]
+                                     tokenize=False) for q, a in problems or all_problems()]
     pool: list[list[int]] = tok(texts, add_special_tokens=False)["input_ids"]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)

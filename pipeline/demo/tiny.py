@@ -57,6 +57,7 @@ class DemoConfig:
     eval_every: int = 25
     resume: bool = False  # go on from the learner's checkpoint in out/weights instead of starting clean
     student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.demo.vllm_student)
+    pools: dict[str, Path] = field(default_factory=dict)  # teacher pool -> its teacher (``demo --teachers 2``)
 
     def settings(self) -> RedisSettings:
         return RedisSettings(redis_url=self.redis_url, namespace=self.namespace)
@@ -147,18 +148,23 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
                                                             f"rollout-{i}"))
             for i in range(cfg.rollout_workers)
         ]
-    specs += [
-        ProcSpec("teacher", distillq_argv(
+    if cfg.pools:  # one teacher worker per pool; the demo measures each teacher's held-out KL itself
+        from pipeline.demo.teachers import teacher_specs
+
+        specs += teacher_specs(cfg.pools, student, cfg.top_k)
+    else:
+        specs.append(ProcSpec("teacher", distillq_argv(
             "worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer", str(student),
-            "--top-k", str(cfg.top_k), "--consumer-name", "teacher-0")),
+            "--top-k", str(cfg.top_k), "--consumer-name", "teacher-0")))
+    evaluation = [] if cfg.pools else ["--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every)]
+    specs += [
         ProcSpec("feeder", distillq_argv(
             "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness", "3",
             "--max-ready-batches", "2",  # a learner publishing every step: ready batches stay within the bound
             "--max-wait", "0.5", "--kl-coef", "1.0", "--consumer-name", "feeder-0")),
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.demo.learner", "--student", str(student),
-                             "--weights-dir", weights, "--steps", str(first_step + cfg.steps),
-                             "--eval-teacher", str(teacher),
-                             "--eval-every", str(cfg.eval_every), "--metrics-file", str(cfg.out / "metrics.jsonl"),
+                             "--weights-dir", weights, "--steps", str(first_step + cfg.steps), *evaluation,
+                             "--metrics-file", str(cfg.out / "metrics.jsonl"),
                              "--batch-timeout", "600" if cfg.student_backend == "vllm" else "60"], restart=False),
     ]
     return specs
@@ -167,6 +173,10 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
 def enqueue(cfg: DemoConfig) -> int:
     rng = random.Random(7)
     n = int(cfg.steps * cfg.groups_per_batch * 1.5) + 16
+    if cfg.pools:  # both tasks in turn, each prompt naming its teacher
+        from pipeline.demo.teachers import jobs as pool_jobs
+
+        return asyncio.run(enqueue_new(cfg.settings(), Keys(cfg.namespace), pool_jobs(n), 0))
     jobs = []
     for i in range(n):
         q, a = arithmetic_problem(rng, "train")

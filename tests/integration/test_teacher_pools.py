@@ -200,5 +200,23 @@ async def test_resharding_refuses_while_a_pool_stream_holds_groups(r: aioredis.R
     from pipeline.transport.sharding import ShardConfigError, set_shards
 
     await PoolProducer(r, keys).send(synthetic_rollout(1, 6, group_id="m0", group_overrides={"teacher": "math"}))
-    with pytest.raises(ShardConfigError, match="rollouts.math"):
+    with pytest.raises(ShardConfigError, match=r"rollouts\.math"):
         await set_shards(r, keys, 4)
+
+
+def test_serve_atropos_routes_each_posted_group_to_its_pool(redis_url: str, keys: Keys) -> None:
+    from pipeline.config import RedisSettings
+    from pipeline.serve.atropos.app import create_app
+    from pipeline.serve.atropos.startup import ServeConfig
+    from tests.integration.test_serve_atropos import REGISTRATION, ThreadedServer, group, http
+    from tests.streams import fast
+
+    cfg = ServeConfig(redis=RedisSettings(redis_url=redis_url, namespace=keys.namespace), streams=fast())
+    with ThreadedServer(create_app(cfg)) as server:
+        assert http("POST", server.url + "/register", json=REGISTRATION).status_code == 200
+        for body in (group(seed=1, group_overrides={"teacher": "math"}), group(seed=2)):
+            assert http("POST", server.url + "/scored_data", json=body).json()["status"] == "received"
+        bad = http("POST", server.url + "/scored_data", json=group(seed=3, group_overrides={"teacher": "No!"}))
+        assert bad.status_code >= 400 and "group_overrides.teacher" in bad.text
+    r = redis.Redis.from_url(redis_url)
+    assert r.xlen(keys.stream("rollouts.math")) == 1 and r.xlen(keys.stream("rollouts")) == 1

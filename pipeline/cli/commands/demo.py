@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -20,6 +21,9 @@ from pipeline.cli.embedded import EmbeddedRedis
 from pipeline.config import RedisSettings, env, redis_settings
 from pipeline.stages.exits import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.connection import mask_url
+
+if TYPE_CHECKING:
+    from pipeline.demo.tinymodels import TinyModels
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="learner steps (default: 150; with --real: 120)")
     p.add_argument("--rollout-workers", type=int, default=1, metavar="N", help="rollout worker processes")
+    p.add_argument("--teachers", type=int, choices=(1, 2), default=1,
+                   help="2: two teachers, each a teacher pool that knows its own task (a+b=, a-b=), and one student "
+                        "learning from both; the report and the plot give the held-out reverse KL to each teacher "
+                        "on its own task (docs/teacher-pools.md)")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
                         "earlier run's are replaced")
@@ -124,12 +132,47 @@ def start_redis(args: argparse.Namespace, namespace: str, console: Console, serv
     return servers[-1].url
 
 
+def pretrained(tiny: TinyModels, teachers: int, console: Console) -> tuple[Path, dict[str, Path]]:
+    """The trained teacher (cached), and with ``teachers`` 2 each pool's (``add`` is the first)."""
+    from pipeline.demo.pretrain import train_teacher
+
+    with console.status("training the teacher on the arithmetic task (cached)...") as status:
+        if teachers == 2:
+            from pipeline.demo.teachers import train_teachers
+
+            pools = train_teachers(tiny, progress=lambda pool, s, loss: status.update(
+                f"training teacher {pool}: step {s + 1}, loss {loss:.3f}"))
+            return pools["add"], pools
+        return train_teacher(tiny, progress=lambda s, loss: status.update(
+            f"training the teacher: step {s + 1}, loss {loss:.3f}")), {}
+
+
+def each_teacher(summary: dict[str, object], student: Path, pools: dict[str, Path], out: Path,
+                 console: Console) -> Path | None:
+    """``demo --teachers 2``: the held-out reverse KL to each teacher on its own task, of the initial student and of
+    the last weights the learner published, into ``summary["teachers"]`` and the plot."""
+    from pipeline.demo import teachers
+    from pipeline.models.weights import latest
+
+    end = latest(out / "weights")
+    with console.status("held-out reverse KL to each teacher on its own task..."):
+        start_kl = teachers.heldout_kl(student, pools)
+        end_kl = teachers.heldout_kl(end.path, pools) if end is not None else start_kl
+    rows = teachers.summary(start_kl, end_kl)
+    summary["teachers"] = rows
+    for pool, row in rows.items():
+        console.print(f"teacher {pool} ({row['task']}): held-out reverse KL {row['heldout_reverse_kl_start']:.3f} -> "
+                      f"{row['heldout_reverse_kl_end']:.3f} (x{row['end_over_start']:.2f})")
+    return teachers.plot(rows, out / "reverse_kl.png")
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.real and args.teachers != 1:
+        raise CliError("--teachers 2 runs the tiny pair's two tasks; --real has one teacher", EXIT_USAGE)
     if args.real:
         from pipeline.cli.commands.demo_real import main as main_real
 
         return main_real(args)
-    from pipeline.demo.pretrain import train_teacher
     from pipeline.demo.tiny import DemoConfig, can_resume, plot, report, run_pipeline
     from pipeline.demo.tinymodels import ensure_tiny_models
 
@@ -151,24 +194,28 @@ def main(args: argparse.Namespace) -> int:
         prepare_out(args, console)
         with console.status("building tiny models (cached after the first run)..."):
             tiny = ensure_tiny_models()
-        with console.status("training the teacher on the arithmetic task (cached)...") as status:
-            teacher = train_teacher(tiny, progress=lambda s, loss: status.update(
-                f"training the teacher: step {s + 1}, loss {loss:.3f}"))
-        console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {teacher}, student {tiny.student}")
+        teacher, pools = pretrained(tiny, args.teachers, console)
+        console.print(f"models ready in {time.monotonic() - t0:.0f} s: "
+                      + (", ".join(f"teacher {p} {d}" for p, d in pools.items()) if pools else f"teacher {teacher}")
+                      + f", student {tiny.student}")
         from pipeline.demo.vllm_student import START_S
 
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
                          rollout_workers=args.rollout_workers, resume=args.resume,
-                         student_backend=args.student,
+                         student_backend=args.student, pools=pools,
                          timeout_s=(args.timeout or 240.0) + (START_S if args.student == "vllm" else 0.0))
         from pipeline.demo.tiny import enqueue
 
         console.print(f"enqueued {enqueue(cfg)} prompts")
         result = run_pipeline(cfg, tiny.student, teacher, console)
         summary = report(result, console)
+        png: Path | None = None
+        if pools:
+            png = each_teacher(summary, tiny.student, pools, args.out, console)
         summary["total_s"] = round(time.monotonic() - t0, 1)
         (args.out / "report.json").write_text(json.dumps(summary, indent=2))
-        png = plot(result, args.out / "reverse_kl.png")
+        if not pools:
+            png = plot(result, args.out / "reverse_kl.png")
         console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
                       + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
         ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
