@@ -61,7 +61,8 @@ def make_backend(args: argparse.Namespace) -> StudentBackend:
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:
-    follower = Follower.open(args.weights_dir)  # a URL: mirrored into a local folder every loader reads
+    # a URL: mirrored into a local folder every loader reads (--weights-cache)
+    follower = Follower.open(args.weights_dir, local_dir=args.weights_cache)
     if follower is not None:
         args = argparse.Namespace(**{**vars(args), "weights_dir": str(follower.local_dir)})
     backend = make_backend(args)

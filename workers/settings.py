@@ -258,6 +258,9 @@ class RolloutSettings(FlagSettings):
                           "the version the server reports ([learner.md](learner.md#policy-version-and-weight-sync)). "
                           "A `redis://` or `s3://` URL is mirrored into a local folder the servers must see "
                           "([weights.md](weights.md))")
+    weights_cache: Annotated[str | None, Flag(env="WEIGHTS_CACHE", metavar="DIR", default_text="a temporary dir")] = (
+        Field(None, description="with a `--weights-dir` URL: the local folder the newest version is rebuilt in, "
+                                "which the `--url` servers load from (so they must see it)"))
     weights_sync: Annotated[WeightsSync, Flag(env="WEIGHTS_SYNC")] = Field(
         "vllm", description="how servers load a version: `vllm` (`reload_weights`; the server needs "
                             "`VLLM_SERVER_DEV_MODE=1`), `vllm-lora` (an adapter per version; `--enable-lora`, "

@@ -44,12 +44,12 @@ class Follower:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def open(cls, location: str | None, **kwargs: object) -> Follower | None:
-        """A follower for a URL; ``None`` for a folder or no location (``ConfigurationError``: a scheme not
-        supported)."""
+    def open(cls, location: str | None, local_dir: str | Path | None = None) -> Follower | None:
+        """A follower for a URL (mirrored into ``local_dir``, by default a temporary folder); ``None`` for a folder
+        or no location (``ConfigurationError``: a scheme not supported)."""
         if location is None or not is_url(location):
             return None
-        return cls(str(location), **kwargs)  # type: ignore[arg-type]
+        return cls(str(location), local_dir)
 
     @property
     def version(self) -> int | None:

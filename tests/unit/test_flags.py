@@ -173,6 +173,7 @@ def test_serve_student_flags_keep_their_names_and_defaults() -> None:
         "backend": "hf", "model": None, "url": None, "vllm_model": None, "tokenizer": None,
         "served_model_name": None, "max_model_len": None, "default_max_tokens": 256, "host": "127.0.0.1",
         "port": 8100, "port_file": None, "group_size": 1, "env_id": 0, "policy_version": 0, "weights_dir": None,
+        "weights_cache": None,
         "weights_sync": "vllm", "session_ttl": 1800.0, "max_sessions": 4096, "max_body_bytes": 33554432,
         "body_timeout_s": 30.0, "metrics_port": 0, "api_key_var": None}
     args = student("--served-model-name", "a", "--served-model-name", "b", "--port-file", "p", "--port", "0")

@@ -238,7 +238,8 @@ def run_student(args: argparse.Namespace) -> int:
     run(ensure_reachable(rs))  # before the model loads: a Redis that is away is said at once
     from pipeline.weightstore.follow import Follower
 
-    follower = Follower.open(args.weights_dir)  # a redis:// or s3:// URL: mirrored into a local folder
+    # a redis:// or s3:// URL: mirrored into a local folder (--weights-cache)
+    follower = Follower.open(args.weights_dir, local_dir=args.weights_cache)
     if follower is not None:
         args = argparse.Namespace(**{**vars(args), "weights_dir": str(follower.local_dir)})
     try:

@@ -58,6 +58,9 @@ class StudentServeSettings(FlagSettings):
                           "group carries the version its requests ran on (a rollout whose requests straddle a reload "
                           "is dropped at finish, counted in `distillq_unattributed_samples_total`). A `redis://` or "
                           "`s3://` URL is mirrored into a local folder the servers must see ([weights.md](weights.md))")
+    weights_cache: Annotated[str | None, Flag(metavar="DIR", default_text="a temporary folder")] = Field(
+        None, description="with a `--weights-dir` URL: the local folder the newest version is rebuilt in, which the "
+                          "`--url` servers load from (so they must see it)")
     weights_sync: Annotated[WeightsSync, Flag(env="WEIGHTS_SYNC")] = Field(
         "vllm", description="with `--weights-dir`: `vllm` (reload in place), `vllm-lora` (an adapter per version) or "
                             "`sglang`, as for `worker rollout`")
