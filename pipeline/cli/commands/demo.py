@@ -62,6 +62,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--student-prune", choices=("block-influence", "alternate"), default=None,
                    help="--real: which layers the default student leaves out: the N of lowest block influence "
                         "or every other one (docs/real-pair.md; default: block-influence)")
+    p.add_argument("--weights-url", default=None, metavar="URL",
+                   help="--real: publish the weights to this redis:// or s3:// store instead of OUT/weights, the "
+                        "rollout worker following it from a folder of its own (docs/weights.md; e.g. "
+                        "redis://127.0.0.1:6379/1)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
                         "loopback port, stopped at the end)")
@@ -169,6 +173,13 @@ def each_teacher(summary: dict[str, object], student: Path, pools: dict[str, Pat
 def main(args: argparse.Namespace) -> int:
     if args.real and args.teachers != 1:
         raise CliError("--teachers 2 runs the tiny pair's two tasks; --real has one teacher", EXIT_USAGE)
+    if args.weights_url is not None:
+        from pipeline.weightstore.stores import is_url
+
+        if not args.real:
+            raise CliError("--weights-url is a --real option (the tiny demo publishes into OUT/weights)", EXIT_USAGE)
+        if not is_url(args.weights_url):  # ConfigurationError (exit 2) for a scheme that is not supported
+            raise CliError(f"--weights-url {args.weights_url}: a redis:// or s3:// URL, not a folder", EXIT_USAGE)
     if args.real:
         from pipeline.cli.commands.demo_real import main as main_real
 

@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         namespace = args.namespace or env("NAMESPACE") or "demo"
         cfg = RealDemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or RealDemoConfig.steps,
                              timeout_s=args.timeout or RealDemoConfig.timeout_s, device=args.device,
-                             weights_url=getattr(args, "weights_url", None))
+                             weights_url=args.weights_url)
         console.print(f"enqueued {enqueue(cfg)} prompts")
         result = run_pipeline(cfg, pair.student, pair.teacher, console)
         with console.status("evaluating the last published weights..."):
