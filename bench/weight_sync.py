@@ -1,6 +1,7 @@
 """Weight sync into a real vLLM server (CPU build in .venv-vllm) vs restarting the server on the new weights.
 
     python -m bench.weight_sync [--models tiny,135m] [--syncs 4] [--restarts 2] [--throughput-s 20]
+    python -m bench.weight_sync --store [--store-steps 20]     # through a redis:// store: bench/weight_store.py
 
 Per model: start a vLLM server (``VLLM_SERVER_DEV_MODE=1``), then, side by side in the same run,
 (a) publish ``--syncs`` new versions (``publish_weights``) and sync the server in place (``VLLMEngine.sync``:
@@ -154,7 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restarts", type=int, default=2)
     p.add_argument("--throughput-s", type=float, default=20.0)
     p.add_argument("--step-s", type=float, default=1.0)
+    p.add_argument("--store", action="store_true",
+                   help="instead: weights through a redis:// store on the real pair's student (bench/weight_store.py)")
+    p.add_argument("--store-steps", type=int, default=20)
     a = p.parse_args(argv)
+    if a.store:
+        from bench import weight_store
+
+        print(weight_store.table(weight_store.run(a.store_steps, "alternate")))
+        return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip()
     load = Path("/proc/loadavg").read_text().split()[:3]
