@@ -200,6 +200,10 @@ class WorkerLifecycle:
         task.add_done_callback(done)
         return task
 
+    def slot_freed(self) -> None:
+        """Wake ``wait_slot``: work in flight gave its slot back without finishing (it waits outside the slots)."""
+        self._slot_freed.set()
+
     async def wait_slot(self) -> None:
         """Wait until spawned work finishes or stop is set."""
         self._slot_freed.clear()

@@ -5,6 +5,10 @@ Redis back-off, graceful stop).
 Per prompt entry (``max_jobs`` at once): the group is sampled (``RolloutStage.sample``), pushed with backpressure
 (``group_pushed``) and only then is the entry acknowledged and the prompt's record marked ``done``. So:
 
+* a prompt whose teacher pool's stream is at its cap (``max_backlog``) is not sampled until it has room
+  (``pool_full_waiting``, then ``pool_has_room``): it waits leased, *outside* the ``max_jobs`` slots (up to
+  ``PARKED_PER_JOB * max_jobs`` such prompts), so a pool whose teachers are down holds back its own prompts only
+  and the other pools' prompts go on;
 * a push that waits past ``backpressure_timeout_s`` keeps waiting (``downstream_full``), its entry leased;
 * a stop while sampling or waiting leaves the entry pending: in-flight prompts get ``shutdown_grace_s``, the rest
   are cancelled and another worker reclaims them after ``claim_idle_ms`` (as a killed worker's are);
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -40,13 +45,17 @@ from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import Keys
 from pipeline.transport.pools import PoolProducer
 from pipeline.transport.producer import MessageTooLarge, is_written
-from pipeline.transport.prompts import STREAM, BadPrompt, PromptEntry, note
+from pipeline.transport.prompts import STREAM, BadPrompt, PromptEntry, PromptJob, note
 from schemas.pools import pool_of
 
 log = structlog.get_logger("distillq.rollout")
 #: How long a prompt whose sample failed stays leased before it is released for another try (by its delivery
 #: count: up to 1, 2, 4, ... s, at most 30 s, full jitter); then it is reclaimed after ``claim_idle_ms``.
 RETRY_BACKOFF = BackoffPolicy(base=1.0, cap=30.0)
+#: How often a prompt waiting for room on its pool's stream looks again (up to, with jitter).
+ROOM_BACKOFF = BackoffPolicy(base=0.05, cap=2.0)
+#: Prompts that may wait for room on a full pool's stream outside the job slots, per job slot.
+PARKED_PER_JOB = 8
 
 
 class RolloutWorker:
@@ -73,6 +82,9 @@ class RolloutWorker:
         self.shards, self.max_jobs, self.burst = shards, max_jobs, burst
         self.teacher = teacher  # the teacher pool of prompts that name none (``PromptJob.overrides``)
         self.stats = RunStats()
+        self.parked = 0  # prompts waiting for room on their pool's stream, not holding a job slot
+        self._sampling = asyncio.Semaphore(max_jobs)
+        self._life: WorkerLifecycle | None = None
         self.heartbeat = Heartbeat(redis, keys.heartbeat("rollout", self.name), s.heartbeat_interval_s, stage.report)
 
     async def run(self, stop: asyncio.Event) -> RunStats:
@@ -81,6 +93,7 @@ class RolloutWorker:
         await retry_transient(self.consumer.ensure_group, stop=stop)
         life = WorkerLifecycle("rollout", stop, self.stats, heartbeat=self.heartbeat, leases=self.consumer,
                                claim_idle_ms=s.claim_idle_ms, grace_s=s.shutdown_grace_s)
+        self._life = life
         log.info("stage_started", stage="rollout", consumer=self.name, stream=STREAM, burst=self.burst)
         try:
             async with keep_synced(self.stage.synced, stop), life:  # in-flight work drains before the sync stops
@@ -94,7 +107,7 @@ class RolloutWorker:
 
     async def _loop(self, life: WorkerLifecycle, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            free = self.max_jobs - life.in_flight
+            free = self.max_jobs - (life.in_flight - self.parked)
             if free <= 0:
                 await life.wait_slot()
                 continue
@@ -127,9 +140,16 @@ class RolloutWorker:
             return
         overrides = entry.job.overrides(self.teacher)
         job = entry.job if overrides is entry.job.group_overrides else replace(entry.job, group_overrides=overrides)
-        if d.reclaimed and await self._written(entry.group_id, pool_of(overrides)):
+        pool = pool_of(overrides)
+        if d.reclaimed and await self._written(entry.group_id, pool):
             await self._finish(d, entry, "already_emitted")
             return
+        if not await self._room(pool, entry.group_id, stop):
+            return  # stopped while waiting for room: pending, another worker samples it later
+        async with self._sampling:  # at most max_jobs sample and push at once, parked prompts back included
+            await self._sample_and_push(d, entry, job, stop)
+
+    async def _sample_and_push(self, d: Delivery, entry: PromptEntry, job: PromptJob, stop: asyncio.Event) -> None:
         try:
             group = await self.stage.sample(job, entry.epoch, entry.group_id)
         except TRANSIENT as e:  # Redis away while sampling: not the prompt's failure; pending, sampled again
@@ -154,6 +174,34 @@ class RolloutWorker:
         log.info("group_pushed", group_id=group.group_id, policy_version=group.policy_version,
                  result=added.result.value)
         await self._finish(d, entry, "emitted" if added.result.value == "added" else "duplicate")
+
+    async def _room(self, pool: str, gid: str, stop: asyncio.Event) -> bool:
+        """Wait while ``pool``'s stream (the shard ``gid`` goes to) holds ``max_backlog`` entries or more; the wait
+        gives its job slot back while fewer than ``PARKED_PER_JOB * max_jobs`` prompts wait so. False: stopped."""
+        stream = self.producer.for_pool(pool).stream
+        key = self.keys.stream_for(stream, gid, self.shards)
+        cap, parked, tries, since = self.settings.max_backlog, False, 0, time.monotonic()
+        try:
+            while True:
+                if await retry_transient(lambda: self.redis.xlen(key), stop=stop) < cap:
+                    if tries:
+                        log.info("pool_has_room", pool=pool, stream=key, waited_s=round(time.monotonic() - since, 1))
+                        metrics.BACKPRESSURE_WAIT.labels(stream).observe(time.monotonic() - since)
+                    return True
+                if stop.is_set():
+                    return False
+                if tries == 0:
+                    log.info("pool_full_waiting", pool=pool, stream=key, cap=cap)
+                    if self.parked < PARKED_PER_JOB * self.max_jobs and self._life is not None:
+                        parked = True
+                        self.parked += 1
+                        self._life.slot_freed()
+                tries += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), ROOM_BACKOFF.delay(tries))
+        finally:
+            if parked:
+                self.parked -= 1
 
     async def _written(self, gid: str, pool: str) -> bool:
         marker = await retry_transient(lambda: self.redis.get(self.producer.seen_key(gid, pool)),

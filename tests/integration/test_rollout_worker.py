@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -25,7 +26,8 @@ from pipeline.stages import rollout_worker
 from pipeline.stages.rollout_stage import RolloutStage
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.consumer import StreamConsumer
-from pipeline.transport.keys import Keys
+from pipeline.transport.keys import Keys, pool_stream
+from pipeline.transport.pools import PoolProducer
 from pipeline.transport.producer import StreamProducer
 from pipeline.transport.prompts import Added, PromptJob, enqueue_prompts, read_record
 from schemas import RolloutGroup, decode
@@ -279,3 +281,53 @@ async def test_where_reports_a_prompt_in_flight_with_its_deliveries_and_last_err
     await asyncio.wait_for(run, 10)
     w = await locate(r, keys, "0:p")
     assert w.prompt is not None and w.prompt["done"] == "0:p" and w.summary == "waiting for a teacher worker"
+
+
+class PoolScripted(Scripted):
+    """``Scripted``, its groups carrying the prompt's ``group_overrides`` (so each goes to its teacher pool)."""
+
+    async def sample(self, job: PromptJob, epoch: int, group_id: str | None = None) -> RolloutGroup | None:
+        group = await super().sample(job, epoch, group_id)
+        return None if group is None else msgspec.structs.replace(group, group_overrides=job.group_overrides)
+
+
+async def test_a_full_pool_holds_back_its_own_prompts_only(keys: Keys, r: aioredis.Redis) -> None:
+    """Pool ``down`` has no teacher and its stream is at the cap; its prompts come first and would take both job
+    slots. They wait unsampled outside the slots, and every prompt of the pool with room goes on."""
+    settings = fast(max_backlog=1)
+    full = msgspec.structs.replace(synthetic_rollout(1, 8, group_id="x"), group_overrides={"teacher": "down"})
+    await PoolProducer(r, keys, settings).send(full)
+    jobs = [PromptJob(id=f"d{i}", prompt="1+1=", teacher="down") for i in range(3)]
+    jobs += [PromptJob(id=f"u{i}", prompt="2+2=") for i in range(4)]
+    await enqueue_prompts(r, keys, jobs)
+    stage = PoolScripted()
+    worker = RolloutWorker(r, keys, stage, settings, consumer_name="w", max_jobs=2)
+    stop, drained = asyncio.Event(), asyncio.Event()
+    seen: list[str] = []
+    teacher = asyncio.create_task(drain_rollouts(r, keys, seen, drained))  # the default pool's teacher
+    with capture_logs() as logs:
+        run = asyncio.create_task(worker.run(stop))
+        for _ in range(200):
+            if len(seen) == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(seen) == [f"0:u{i}" for i in range(4)]
+        assert {k: n for k, n in stage.calls.items() if k.startswith("d")} == {}  # never sampled while full
+        assert worker.parked == 3
+        await r.delete(keys.stream(pool_stream("down")))  # its teacher comes: room for one group at a time
+        down = keys.stream(pool_stream("down"))
+        got: list[str] = []
+        for _ in range(200):
+            for eid, f in await r.xrange(down):
+                got.append(f[b"gid"].decode())
+                await r.xdel(down, eid)
+            if len(got) == 3:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        stats = await asyncio.wait_for(run, 10)
+        drained.set()
+        await teacher
+    assert sorted(got) == [f"0:d{i}" for i in range(3)] and stats.outcomes["emitted"] == 7
+    assert sum(stage.calls.values()) == 7 and worker.parked == 0
+    assert [e["pool"] for e in logs if e["event"] == "pool_full_waiting"].count("down") == 3  # once each
