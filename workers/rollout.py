@@ -77,7 +77,8 @@ async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, sto
     stage = RolloutStage(backend, get_reward(args.reward), cfg, published)
     shards, _ = await shard_plan(args, redis, keys, stop)
     worker = RolloutWorker(redis, keys, stage, stream_settings(args), consumer_name=args.consumer_name, shards=shards,
-                           max_jobs=args.max_jobs, burst=args.burst)
+                           max_jobs=args.max_jobs, burst=args.burst, teacher=args.teacher,
+                           pace=None if args.max_ahead is None else (args.max_ahead, args.groups_per_step))
     async with follower.running(stop) if follower is not None else contextlib.nullcontext():
         await worker.run(stop)
 

@@ -249,6 +249,13 @@ class RolloutSettings(FlagSettings):
     reward: Annotated[str, Flag(env="REWARD", metavar="NAME")] = Field(
         "none", description=f"reward function: {_rewards()}")
     max_jobs: Annotated[int, Flag(env="MAX_JOBS", metavar="N")] = Field(4, description="prompts sampled at once")
+    max_ahead: Annotated[int | None, Flag(env="MAX_AHEAD", metavar="N", default_text="no bound")] = Field(
+        None, ge=0, description="sample at most N policy versions ahead of the learner: a prompt starts only while "
+                                "the namespace's started groups < (learner version + 1 + N) x `--groups-per-step`, "
+                                "so no group trains more than N versions stale "
+                                "([learner.md](learner.md#keeping-sampling-paced-to-the-learner))")
+    groups_per_step: Annotated[int, Flag(env="GROUPS_PER_STEP", metavar="G")] = Field(
+        8, ge=1, description="with `--max-ahead`: groups one learner step trains (the feeder's `--max-batch-groups`)")
     teacher: Annotated[str | None, Flag(env="ROLLOUT_TEACHER", metavar="NAME", default_text="`default`")] = Field(
         None, description="the teacher pool of the groups of prompts that name none (a prompt's `teacher`, or its "
                           "`group_overrides.teacher`, wins) ([teacher-pools.md](teacher-pools.md))")

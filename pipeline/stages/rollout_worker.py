@@ -9,6 +9,9 @@ Per prompt entry (``max_jobs`` at once): the group is sampled (``RolloutStage.sa
   (``pool_full_waiting``, then ``pool_has_room``): it waits leased, *outside* the ``max_jobs`` slots (up to
   ``PARKED_PER_JOB * max_jobs`` such prompts), so a pool whose teachers are down holds back its own prompts only
   and the other pools' prompts go on;
+* with ``pace`` (``--max-ahead N``), a prompt starts only while the learner is close enough
+  (``pipeline.transport.pacing``: no group trains more than N versions stale), waiting in its slot
+  (``pacing_wait``);
 * a push that waits past ``backpressure_timeout_s`` keeps waiting (``downstream_full``), its entry leased;
 * a stop while sampling or waiting leaves the entry pending: in-flight prompts get ``shutdown_grace_s``, the rest
   are cancelled and another worker reclaims them after ``claim_idle_ms`` (as a killed worker's are);
@@ -43,6 +46,7 @@ from pipeline.stages.runloop import bookkeep, drained, send_waiting
 from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery, StreamConsumer
 from pipeline.transport.keys import Keys
+from pipeline.transport.pacing import try_start
 from pipeline.transport.pools import PoolProducer
 from pipeline.transport.producer import MessageTooLarge, is_written
 from pipeline.transport.prompts import STREAM, BadPrompt, PromptEntry, PromptJob, note
@@ -73,6 +77,7 @@ class RolloutWorker:
         max_jobs: int = 4,
         burst: bool = False,
         teacher: str | None = None,
+        pace: tuple[int, int] | None = None,
     ) -> None:
         self.redis, self.keys, self.stage = redis, keys, stage
         self.settings = s = settings or StreamSettings()
@@ -82,6 +87,7 @@ class RolloutWorker:
         self.shards, self.max_jobs, self.burst = shards, max_jobs, burst
         self.teacher = teacher  # the teacher pool of prompts that name none (``PromptJob.overrides``)
         self.stats = RunStats()
+        self.pace = pace  # (max_ahead, groups_per_step): ``pipeline.transport.pacing``; None: no bound
         self.parked = 0  # prompts waiting for room on their pool's stream, not holding a job slot
         self._sampling = asyncio.Semaphore(max_jobs)
         self._life: WorkerLifecycle | None = None
@@ -144,7 +150,7 @@ class RolloutWorker:
         if d.reclaimed and await self._written(entry.group_id, pool):
             await self._finish(d, entry, "already_emitted")
             return
-        if not await self._room(pool, entry.group_id, stop):
+        if not await self._room(pool, entry.group_id, stop) or not await self._paced(stop):
             return  # stopped while waiting for room: pending, another worker samples it later
         async with self._sampling:  # at most max_jobs sample and push at once, parked prompts back included
             await self._sample_and_push(d, entry, job, stop)
@@ -202,6 +208,29 @@ class RolloutWorker:
         finally:
             if parked:
                 self.parked -= 1
+
+    async def _paced(self, stop: asyncio.Event) -> bool:
+        """With ``pace``, wait until the learner is close enough for one more group to start (``try_start``),
+        holding the job slot. False: stopped."""
+        if self.pace is None:
+            return True
+        max_ahead, per_step = self.pace
+        tries = 0
+        while True:
+            got = await retry_transient(lambda: try_start(self.redis, self.keys, max_ahead=max_ahead,
+                                                          groups_per_step=per_step), stop=stop)
+            if got.allowed:
+                if tries:
+                    log.info("pacing_resumed", version=got.version, started=got.started, bound=got.bound)
+                return True
+            if stop.is_set():
+                return False
+            if tries == 0:
+                log.info("pacing_wait", version=got.version, started=got.started, bound=got.bound,
+                         max_ahead=max_ahead)
+            tries += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ROOM_BACKOFF.delay(tries))
 
     async def _written(self, gid: str, pool: str) -> bool:
         marker = await retry_transient(lambda: self.redis.get(self.producer.seen_key(gid, pool)),

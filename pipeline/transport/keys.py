@@ -26,6 +26,9 @@ key                                                type          written by / me
                                                                  client when it acks the batch holding the group
 ``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
 ``ns:policy_version``                              string        learner: current policy version (int)
+``ns:pacing``                                      hash          rollout workers with ``--max-ahead``: groups
+                                                                 started and the version they last saw
+                                                                 (``transport.pacing``)
 ``ns:learner_health:<consumer>:<rank>``            string (TTL)  learner rank heartbeat (JSON: step, held batches,
                                                                  versions; ``pipeline.learner.health``), for ``stats``
 ``{ns:batches}:ranks``                             hash          learner ranks: world size, generation, the batch
@@ -244,6 +247,11 @@ class Keys:
     @property
     def policy_version(self) -> str:
         return f"{self.namespace}:policy_version"
+
+    @property
+    def pacing(self) -> str:
+        """Rollout pacing (``pipeline.transport.pacing``): groups started, the policy version last seen."""
+        return f"{self.namespace}:pacing"
 
     def learner_health(self, consumer: str = "*", rank: int | str = "*") -> str:
         """A learner rank's heartbeat (``pipeline.learner.health``); the defaults give the pattern of all of them."""

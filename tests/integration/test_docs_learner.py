@@ -293,7 +293,8 @@ async def test_the_paced_workers_keep_two_rollout_workers_within_the_bound(
     print(f"pacing: {STEPS} steps, {len(lags)} groups trained, staleness at training max {max(lags)} "
           f"(values {sorted(set(lags))}), taken ahead of the learner per step {ahead} (max {max(ahead)}), "
           f"prompts sampled {PROMPTS - left} of {PROMPTS}, dropped {reasons}")
-    # The pacing bound: W x J + 2B + R x G = 2 + 4 + 2 = 8 prompts taken beyond the groups handed out.
-    assert max(ahead) <= 8, ahead
-    assert all(r.startswith("stale:") for r in reasons), reasons  # only the staleness bound drops anything
-    assert len(reasons) <= 2 and max(lags) <= 6
+    # --max-ahead 1, --groups-per-step 2: (1 + N) x G = 4 groups started beyond those trained, plus the W x J = 2
+    # prompts the workers hold while they wait; staleness N = 1, plus a version for an overtaken group and one
+    # for a worker still on the weights it had when the learner published.
+    assert max(ahead) <= 6, ahead
+    assert reasons == [] and max(lags) <= 3, (reasons, lags)

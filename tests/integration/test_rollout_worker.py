@@ -27,6 +27,7 @@ from pipeline.stages.rollout_stage import RolloutStage
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.consumer import StreamConsumer
 from pipeline.transport.keys import Keys, pool_stream
+from pipeline.transport.pacing import try_start
 from pipeline.transport.pools import PoolProducer
 from pipeline.transport.producer import StreamProducer
 from pipeline.transport.prompts import Added, PromptJob, enqueue_prompts, read_record
@@ -331,3 +332,66 @@ async def test_a_full_pool_holds_back_its_own_prompts_only(keys: Keys, r: aiored
     assert sorted(got) == [f"0:d{i}" for i in range(3)] and stats.outcomes["emitted"] == 7
     assert sum(stage.calls.values()) == 7 and worker.parked == 0
     assert [e["pool"] for e in logs if e["event"] == "pool_full_waiting"].count("down") == 3  # once each
+
+
+class Versioned(Scripted):
+    """``Scripted``, each group tagged with the learner's policy version when its sampling starts."""
+
+    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+        super().__init__()
+        self.r, self.keys = r, keys
+
+    async def sample(self, job: PromptJob, epoch: int, group_id: str | None = None) -> RolloutGroup | None:
+        raw = await self.r.get(self.keys.policy_version)
+        self.version = int(raw) if raw is not None else 0
+        await asyncio.sleep(0.01)
+        return await super().sample(job, epoch, group_id)
+
+
+@pytest.mark.parametrize("max_ahead", [0, 2])
+async def test_max_ahead_bounds_staleness_and_lead_with_two_workers(keys: Keys, r: aioredis.Redis,
+                                                                     max_ahead: int) -> None:
+    """Two rollout workers, 40 queued prompts, a learner that trains G = 2 groups a step in order and publishes a
+    version after each: no group trains more than ``max_ahead`` versions stale, and sampling never runs more
+    than ``(1 + max_ahead) * G`` groups ahead of what the learner trained."""
+    per_step, n = 2, 40
+    await enqueue_prompts(r, keys, [PromptJob(id=f"p{i:02d}", prompt="1+1=") for i in range(n)])
+    workers = [RolloutWorker(r, keys, Versioned(r, keys), fast(), consumer_name=f"w{i}", max_jobs=2,
+                             pace=(max_ahead, per_step)) for i in range(2)]
+    stop = asyncio.Event()
+    runs = [asyncio.create_task(w.run(stop)) for w in workers]
+    key, trained, stale, leads = keys.stream("rollouts"), 0, [], []
+    version = 0
+    while trained < n:
+        entries = (await r.xrange(key))[:per_step]
+        if len(entries) < per_step and trained + len(entries) < n:
+            await asyncio.sleep(0.02)
+            continue
+        started = int(await r.hget(keys.pacing, "started") or 0)  # type: ignore[misc]
+        leads.append(started - trained)
+        for eid, f in entries:
+            group = decode(await r.get(f[b"h"]) if b"h" in f else f[b"d"])
+            assert isinstance(group, RolloutGroup)
+            stale.append(version - group.policy_version)
+            await r.xdel(key, eid)
+        trained += len(entries)
+        version += 1
+        await r.set(keys.policy_version, version)
+        await asyncio.sleep(0.05)  # a learner step
+    stop.set()
+    await asyncio.gather(*runs)
+    assert len(stale) == n and max(stale) <= max_ahead
+    assert max(leads) <= (1 + max_ahead) * per_step
+    assert sum(w.stats.outcomes["emitted"] for w in workers) == n
+
+
+async def test_pacing_counts_starts_against_the_version_and_starts_over_for_a_new_run(keys: Keys,
+                                                                                      r: aioredis.Redis) -> None:
+    async def start() -> bool:
+        return (await try_start(r, keys, max_ahead=1, groups_per_step=2)).allowed
+
+    assert [await start() for _ in range(5)] == [True] * 4 + [False]  # (0 + 1 + 1) x 2 at version 0
+    await r.set(keys.policy_version, 3)
+    assert [await start() for _ in range(7)] == [True] * 6 + [False]  # (3 + 1 + 1) x 2 = 10 by version 3
+    await r.set(keys.policy_version, 0)  # a new learner run from version 0 in the same namespace
+    assert await start() and int(await r.hget(keys.pacing, "started")) == 1  # type: ignore[misc]
