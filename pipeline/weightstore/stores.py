@@ -240,3 +240,36 @@ class FsspecStore:
 
     def close(self) -> None:
         pass
+
+
+def summary(url: str) -> dict[str, object]:
+    """What a store holds, for ``distillq stats --weights-url``: the versions kept, the newest and its snapshot,
+    the bytes their chunks take, and the server's memory (Redis) or the objects' size (fsspec)."""
+    from pipeline.weightstore import manifest as mf
+
+    store = open_store(url)
+    try:
+        versions = store.versions()
+        held, newest, snapshot = 0, store.latest(), None
+        for v in versions:
+            raw = store.manifest(v)
+            if raw is None:
+                continue
+            m = mf.decode(raw, v)
+            held += m.stored_bytes
+            if v == newest:
+                snapshot = m.snapshot
+        return {"url": redact(url), "versions": versions, "newest": newest, "snapshot": snapshot,
+                "stored_bytes": held, "store_used_bytes": store.used_bytes()}
+    finally:
+        store.close()
+
+
+def summary_line(s: dict[str, object]) -> str:
+    versions = s["versions"]
+    assert isinstance(versions, list)
+    kept = f"v{versions[0]}..v{versions[-1]} ({len(versions)})" if versions else "none"
+    used = s["store_used_bytes"]
+    return (f"weights at {s['url']}: newest v{s['newest']} (snapshot v{s['snapshot']}), kept {kept}, "
+            f"{int(s['stored_bytes']) / 2**20:.1f} MiB of chunks"  # type: ignore[call-overload]
+            + (f", store memory {int(used) / 2**20:.1f} MiB" if isinstance(used, int) else ""))

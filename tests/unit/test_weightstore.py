@@ -192,3 +192,15 @@ def test_publish_weights_to_a_url_and_a_reader_loads_it(tmp_path: Path, monkeypa
     with pytest.raises(ConfigurationError):
         publish_weights(model, 4, "ftp://h/w", publish=announced.append)
     assert announced == [1, 2, 3] and not any(p.name.startswith(("redis", "ftp")) for p in tmp_path.iterdir())
+
+
+def test_summary_names_versions_snapshot_and_bytes(tmp_path: Path) -> None:
+    from pipeline.weightstore.stores import summary, summary_line
+
+    url = f"memory://sum-{uuid.uuid4().hex[:8]}"
+    up = Uploader(open_store(url), snapshot_every=2, keep=2)
+    reports = [up.upload(v, _publish(up, tmp_path, v)) for v in range(4)]
+    got = summary(url)
+    assert got["versions"] == [2, 3] and got["newest"] == 3 and got["snapshot"] == 2
+    assert got["stored_bytes"] == reports[2].stored_bytes + reports[3].stored_bytes
+    assert "newest v3 (snapshot v2), kept v2..v3 (2)" in summary_line(got)

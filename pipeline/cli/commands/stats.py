@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="throughput window for one-shot figures")
     p.add_argument("--hold-warn", type=float, default=300.0, metavar="SECONDS",
                    help="name a learner holding an unacknowledged batch written more than SECONDS ago")
+    p.add_argument("--weights-url", default=None, metavar="URL",
+                   help="also show what the weights store at URL holds (redis:// or s3://, docs/weights.md): versions "
+                        "kept, the newest and its snapshot, bytes, the store's memory")
     add_redis_args(p)
     p.set_defaults(func=main)
 
@@ -202,10 +205,19 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
 
 async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
     snap = await collect_all(redis, keys, _streams(args), window_s=args.window, hold_warn_s=args.hold_warn)
+    weights = None
+    if args.weights_url:
+        from pipeline.weightstore.stores import summary
+
+        weights = await asyncio.to_thread(summary, args.weights_url)
     if args.json:
-        print(json.dumps(to_json(snap), indent=2))
+        print(json.dumps({**to_json(snap), **({"weights": weights} if weights is not None else {})}, indent=2))
     else:
         console.print(render(snap))
+        if weights is not None:
+            from pipeline.weightstore.stores import summary_line
+
+            console.print(escape(summary_line(weights)))
     return 0
 
 
