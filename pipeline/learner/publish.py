@@ -48,7 +48,7 @@ from pipeline.models.weights import (
 )  # fmt: skip
 from pipeline.transport.connection import connect
 from pipeline.transport.keys import Keys
-from pipeline.weightstore.stores import is_url, open_store, redact, writer_options
+from pipeline.weightstore.stores import bare_url, is_url, open_store, redact, writer_options
 from pipeline.weightstore.writer import Uploader, UploadReport
 
 log = structlog.get_logger("distillq.publish")
@@ -242,11 +242,12 @@ _UPLOADERS: dict[str, tuple[Uploader, Path]] = {}
 def last_upload(url: str) -> UploadReport | None:
     """The report of this process's last ``publish_weights`` to ``url``: full and stored bytes, seconds, versions
     kept (``None`` before the first)."""
-    got = _UPLOADERS.get(url)
+    got = _UPLOADERS.get(bare_url(url))
     return got[0].last_report if got is not None else None
 
 
 def _uploader(url: str, snapshot_every: int, keep: int) -> tuple[Uploader, Path]:
+    url = bare_url(url)  # one uploader per store, whatever options its URL carries
     got = _UPLOADERS.get(url)
     if got is None:
         import atexit

@@ -89,6 +89,11 @@ def _without(url: str, names: tuple[str, ...]) -> str:
     return urlunsplit(parts._replace(query="&".join(f"{k}={v}" for k, v in query)))
 
 
+def bare_url(url: str) -> str:
+    """The store a URL names, without the writer's options (``keep``, ``snapshot_every``)."""
+    return _without(url, WRITER_OPTIONS)
+
+
 def open_store(url: str) -> WeightStore:
     scheme = scheme_of(url)
     if scheme is None:
@@ -215,6 +220,7 @@ class FsspecStore:
         return int(raw) if raw is not None and raw.strip().isdigit() else None
 
     def versions(self) -> list[int]:
+        self.fs.invalidate_cache(self._path("manifests"))  # s3fs caches listings: a new manifest must show
         try:
             names = self.fs.ls(self._path("manifests"), detail=False)
         except FileNotFoundError:
