@@ -176,7 +176,8 @@ async def test_base_env_and_example_trainer_through_the_server_and_a_teacher(
     for data in raw:
         assert sum(len(item["tokens"]) for item in data["batch"]) == 4
         for item in data["batch"]:
-            assert tuple(item) == ATROPOS_KEYS
+            assert tuple(item) == (*ATROPOS_KEYS, "teacher")  # the reference's keys in its order, and who scored it
+            assert item["teacher"]["pool"] == "default"
             posted = sent[json.dumps(item["tokens"])]
             for key in ("masks", "scores", "inference_logprobs", "overrides", "generation_params", "env_id"):
                 assert item[key] == posted[key], key
