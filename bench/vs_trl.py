@@ -284,6 +284,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, Path]:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of a few minutes")
     p.add_argument("--trl-beta", type=float, default=Setup.trl_beta,
                    help="TRL's generalised-JSD beta (0: forward KL, as distillq trains; 1: reverse KL)")
+    p.add_argument("--task-prompts", type=int, help="held-out prompts for the task metrics (all 103; --quick: 6)")
+    p.add_argument("--kl-prompts", type=int, help="the exact reverse KL on the first N of them (24; --quick: 3)")
     p.add_argument("--only", choices=("distillq", "trl"), help="run one side only")
     p.add_argument("--timeout", type=float, default=Setup.timeout_s, help="distillq's time budget, seconds")
     p.add_argument("--out", type=Path, default=Path("bench-out/vs-trl"))
@@ -296,6 +298,10 @@ def parse(argv: list[str] | None) -> tuple[Setup, Path]:
     if setup.steps < 1 or setup.samples_per_step < GROUP_SIZE or setup.samples_per_step % GROUP_SIZE:
         p.error(f"--steps must be at least 1 and --samples-per-step a positive multiple of {GROUP_SIZE}")
     setup.trl_beta, setup.timeout_s = a.trl_beta, a.timeout
+    if a.task_prompts is not None:
+        setup.task_prompts = a.task_prompts
+    if a.kl_prompts is not None:
+        setup.kl_prompts = a.kl_prompts
     if a.only:
         setup.sides = (a.only,)
     return setup, a.out
