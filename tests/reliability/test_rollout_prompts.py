@@ -15,6 +15,7 @@ import pytest
 from pipeline.cli.main import main
 from pipeline.demo.tinymodels import ensure_tiny_models
 from pipeline.learner.client import AsyncLearner
+from pipeline.stages import rollout_worker
 from pipeline.stages.rollout_worker import RolloutWorker
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PromptJob, enqueue_prompts
@@ -23,7 +24,9 @@ from tests.redis_server import RedisServer
 from tests.reliability.harness import Workers, fast_settings, redis_client, report, wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]  # worker processes end to end
-N = 10
+#: Enough prompts that both workers hold some while their stream is full: each takes up to ``max_jobs`` into its
+#: slots and ``PARKED_PER_JOB * max_jobs`` more that wait for room unsampled (``pipeline.stages.rollout_worker``).
+N = 2 * (1 + rollout_worker.PARKED_PER_JOB) * 2 + 4
 
 
 async def _pending_of(r: Any, keys: Keys, consumer: str) -> int:
@@ -47,7 +50,7 @@ async def test_kill_9_of_a_rollout_worker_its_prompts_run_again_within_the_recla
     env = {"DISTILLQ_MAX_BACKLOG": "2", "DISTILLQ_BACKPRESSURE_TIMEOUT_S": "1"}  # nobody reads rollouts yet
     victim = workers.add("r1", "rollout", *argv, env=env)
     workers.add("r2", "rollout", *argv, env=env)
-    # both wait behind the full stream, each holding prompts: kill one of them then
+    # both wait behind the full stream, each holding prompts (in its slots and waiting for room): kill one then
     assert await wait_until(lambda: _both_hold(r, keys), 240), victim.log_text()[-3000:]
     held = await _pending_of(r, keys, "r1")
     victim.kill()
