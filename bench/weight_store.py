@@ -160,6 +160,10 @@ def table(out: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    result = run(int(sys.argv[1]) if len(sys.argv) > 1 else 20, "alternate")
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.weight_store", description=__doc__.splitlines()[0])
+    parser.add_argument("steps", type=int, nargs="?", default=20, help="training steps, a version each")
+    result = run(parser.parse_args().steps, "alternate")
     Path("/tmp/weight_store_bench.json").write_text(json.dumps(result))
     print(table(result))

@@ -66,6 +66,7 @@ from pipeline.transport.producer import BackpressureTimeout, MessageTooLarge, Pr
 from pipeline.transport.prompts import BadPrompt
 from pipeline.transport.sdk import AsyncGroupProducer, GroupProducer
 from pipeline.transport.sharding import ShardConfigError
+from pipeline.weightstore.codec import CodecError
 from schemas import (
     ArrayError,
     BatchManifest,
@@ -147,6 +148,7 @@ __all__ = [
     "CheckpointError",
     "CliError",
     "ClusterUnreachableError",
+    "CodecError",
     "ConfigurationError",
     "DecodeError",
     "DistillStatus",

@@ -6,7 +6,8 @@ family                      its classes (home module)
 ==========================  ===================================================================================
 ``WireFormatError``         ``DecodeError`` and its ``InvalidLogprobs`` (``schemas.validate``), ``ArrayError``
                             (``schemas.arrays``), ``BadPrompt`` (``pipeline.transport.prompts``),
-                            ``RoundTripError`` (``pipeline.teacher.crosstok``)
+                            ``RoundTripError`` (``pipeline.teacher.crosstok``), ``CodecError``
+                            (``pipeline.weightstore.codec``: a weights chunk that does not decode)
 ``ConfigurationError``      ``TeacherConfigError`` (``pipeline.teacher.base``), ``VocabMismatchError``
                             (``pipeline.teacher.vocab``), ``ShardConfigError`` (``pipeline.transport.sharding``),
                             ``RealPairUnavailable`` (``pipeline.demo.realpair``), ``VocabUnavailable``

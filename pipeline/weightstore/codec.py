@@ -18,13 +18,15 @@ import hashlib
 
 import numpy as np
 
+from pipeline.errors import WireFormatError
+
 #: Raw bytes per chunk: one Redis value or object each (a multiple of every element size).
 CHUNK_BYTES = 4 * 2**20
 #: zstandard level: 3 (the library's default) is within a few percent of 9 on weights at a fraction of the time.
 ZSTD_LEVEL = 3
 
 
-class CodecError(ValueError):
+class CodecError(WireFormatError, ValueError):
     """Bytes that do not decode: a checksum that does not match, or a payload of another size."""
 
 

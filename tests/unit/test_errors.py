@@ -58,6 +58,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("schemas.arrays.ArrayError", WireFormatError, ValueError),
     ("pipeline.transport.prompts.BadPrompt", WireFormatError, ValueError),
     ("pipeline.teacher.crosstok.RoundTripError", WireFormatError, ValueError),
+    ("pipeline.weightstore.codec.CodecError", WireFormatError, ValueError),
     ("pipeline.teacher.base.TeacherConfigError", ConfigurationError, RuntimeError),
     ("pipeline.teacher.vocab.VocabMismatchError", ConfigurationError, RuntimeError),
     ("pipeline.transport.sharding.ShardConfigError", ConfigurationError, RuntimeError),

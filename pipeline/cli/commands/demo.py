@@ -65,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--weights-url", default=None, metavar="URL",
                    help="--real: publish the weights to this redis:// or s3:// store instead of OUT/weights, the "
                         "rollout worker following it from a folder of its own (docs/weights.md; e.g. "
-                        "redis://127.0.0.1:6379/1)")
+                        "redis://127.0.0.1:6379/1) (default: none: OUT/weights)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
                         "loopback port, stopped at the end)")

@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="name a learner holding an unacknowledged batch written more than SECONDS ago")
     p.add_argument("--weights-url", default=None, metavar="URL",
                    help="also show what the weights store at URL holds (redis:// or s3://, docs/weights.md): versions "
-                        "kept, the newest and its snapshot, bytes, the store's memory")
+                        "kept, the newest and its snapshot, bytes, the store's memory (default: none)")
     add_redis_args(p)
     p.set_defaults(func=main)
 
