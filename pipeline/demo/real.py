@@ -27,6 +27,7 @@ from rich.console import Console
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
 from pipeline.demo import realtasks
+from pipeline.demo.plots import new_axes, save
 from pipeline.demo.tiny import DemoResult, enqueue_new, watch
 from pipeline.transport.keys import Keys
 from pipeline.transport.prompts import PromptJob
@@ -236,15 +237,11 @@ def throughput(result: DemoResult) -> dict[str, Any]:
 
 
 def plot(result: DemoResult, path: Path, title: str) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    axes = new_axes()
+    if axes is None:
         return None
     steps = [r for r in result.history if r.get("step", 0) > 0 and not math.isnan(r.get("batch_reverse_kl", math.nan))]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = axes
     ax.plot([r["step"] for r in steps], [r["batch_reverse_kl"] for r in steps], lw=1, alpha=0.6,
             label="batch (sampled-token estimate)")
     held = result.heldout()
@@ -253,9 +250,4 @@ def plot(result: DemoResult, path: Path, title: str) -> Path | None:
     ax.set_xlabel("learner step")
     ax.set_ylabel("reverse KL(student || teacher), nats/token")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, ax, path)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.cli.supervisor import ProcSpec, distillq_argv
+from pipeline.demo.plots import new_axes, save
 from pipeline.demo.tinymodels import TinyModels, arithmetic_problem, is_heldout
 from pipeline.transport.prompts import PromptJob
 
@@ -113,14 +114,10 @@ def summary(start: dict[str, float], end: dict[str, float]) -> dict[str, dict[st
 
 def plot(teachers: dict[str, dict[str, Any]], path: Path) -> Path | None:
     """Each teacher's held-out reverse KL, start and end, on its own task."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    axes = new_axes()
+    if axes is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = axes
     for pool, row in teachers.items():
         ax.plot([0, 1], [row["heldout_reverse_kl_start"], row["heldout_reverse_kl_end"]], "o-", lw=2,
                 label=f"teacher {pool} on {row['task']} ({row['heldout_reverse_kl_start']:.3f} -> "
@@ -128,12 +125,7 @@ def plot(teachers: dict[str, dict[str, Any]], path: Path) -> Path | None:
     ax.set_xticks([0, 1], ["start", "end"])
     ax.set_ylabel("held-out reverse KL(student || teacher), nats/token")
     ax.set_title("distillq demo --teachers 2: one student, two teachers")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, ax, path)
 
 
 __all__ = ["POOLS", "all_subtractions", "heldout_kl", "jobs", "plot", "subtraction_problem", "summary",

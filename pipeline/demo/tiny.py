@@ -30,6 +30,7 @@ from rich.table import Table
 
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import RedisSettings
+from pipeline.demo.plots import new_axes, save
 from pipeline.demo.tinymodels import arithmetic_problem
 from pipeline.learner.checkpoint import LATEST
 from pipeline.models.weights import latest as latest_published
@@ -326,16 +327,12 @@ def report(result: DemoResult, console: Console) -> dict[str, Any]:
 
 
 def plot(result: DemoResult, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    axes = new_axes()
+    if axes is None:
         return None
     records = result.earlier + result.history  # a resumed run's curve goes on from the runs before it
     steps = [r for r in records if r.get("step", 0) > 0 and not math.isnan(r.get("batch_reverse_kl", math.nan))]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = axes
     ax.plot([r["step"] for r in steps], [r["batch_reverse_kl"] for r in steps], lw=1, alpha=0.6,
             label="batch (sampled-token estimate)")
     held = [(r["step"], r["heldout_reverse_kl"]) for r in records if "heldout_reverse_kl" in r]
@@ -344,9 +341,4 @@ def plot(result: DemoResult, path: Path) -> Path | None:
     ax.set_xlabel("learner step")
     ax.set_ylabel("reverse KL(student || teacher), nats/token")
     ax.set_title("distillq demo: on-policy distillation of a tiny student")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, ax, path)
