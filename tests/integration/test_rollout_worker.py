@@ -74,9 +74,10 @@ async def group_ids(r: aioredis.Redis, keys: Keys) -> list[str]:
     return [f[b"gid"].decode() for _, f in await r.xrange(keys.stream("rollouts"))]
 
 
-async def drain_rollouts(r: aioredis.Redis, keys: Keys, seen: list[str], stop: asyncio.Event) -> None:
-    """A stand-in teacher: takes every rollout entry off the stream (recording its group id) until ``stop``."""
-    key = keys.stream("rollouts")
+async def drain_rollouts(r: aioredis.Redis, keys: Keys, seen: list[str], stop: asyncio.Event,
+                         pool: str = "default") -> None:
+    """A stand-in teacher of ``pool``: takes every entry off its stream (recording its group id) until ``stop``."""
+    key = keys.stream(pool_stream(pool))
     while not stop.is_set():
         for eid, f in await r.xrange(key):
             seen.append(f[b"gid"].decode())
@@ -316,19 +317,16 @@ async def test_a_full_pool_holds_back_its_own_prompts_only(keys: Keys, r: aiored
         assert {k: n for k, n in stage.calls.items() if k.startswith("d")} == {}  # never sampled while full
         assert worker.parked == 3
         await r.delete(keys.stream(pool_stream("down")))  # its teacher comes: room for one group at a time
-        down = keys.stream(pool_stream("down"))
         got: list[str] = []
+        down_teacher = asyncio.create_task(drain_rollouts(r, keys, got, drained, pool="down"))
         for _ in range(200):
-            for eid, f in await r.xrange(down):
-                got.append(f[b"gid"].decode())
-                await r.xdel(down, eid)
             if len(got) == 3:
                 break
             await asyncio.sleep(0.05)
         stop.set()
         stats = await asyncio.wait_for(run, 10)
         drained.set()
-        await teacher
+        await asyncio.gather(teacher, down_teacher)
     assert sorted(got) == [f"0:d{i}" for i in range(3)] and stats.outcomes["emitted"] == 7
     assert sum(stage.calls.values()) == 7 and worker.parked == 0
     assert [e["pool"] for e in logs if e["event"] == "pool_full_waiting"].count("down") == 3  # once each
