@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +233,19 @@ def check_steps(recs: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return groups
 
 
+def logprob_gap(model: Any, groups: Iterable[dict[str, Any]]) -> tuple[float, int]:
+    """The largest |forward of ``model`` - sampled logprob| over the trained tokens of ``groups``, and their count."""
+    worst, tokens = 0.0, 0
+    for g in groups:
+        for s in g["sequences"]:
+            ref = reference_logprobs(model, s["tokens"])
+            for t, m in enumerate(s["loss_mask"]):
+                if m:
+                    worst = max(worst, abs(ref[t] - s["logprobs"][t]))
+                    tokens += 1
+    return worst, tokens
+
+
 def check_logprobs(groups: dict[str, dict[str, Any]], weights: Path) -> tuple[float, int, int]:
     """Every group's student logprobs equal a transformers forward of the weights of the version it names.
     Returns (largest difference, tokens checked, versions)."""
@@ -243,13 +256,8 @@ def check_logprobs(groups: dict[str, dict[str, Any]], weights: Path) -> tuple[fl
     worst, tokens = 0.0, 0
     for v in versions:
         model = load_causal_lm(weights / folder_name(v)).eval()
-        for g in (g for g in groups.values() if g["version"] == v):
-            for s in g["sequences"]:
-                ref = reference_logprobs(model, s["tokens"])
-                for t, m in enumerate(s["loss_mask"]):
-                    if m:
-                        worst = max(worst, abs(ref[t] - s["logprobs"][t]))
-                        tokens += 1
+        gap, n = logprob_gap(model, (g for g in groups.values() if g["version"] == v))
+        worst, tokens = max(worst, gap), tokens + n
     assert tokens > 0 and worst <= TOL, worst
     return worst, tokens, len(versions)
 

@@ -28,7 +28,7 @@ from pipeline.transport.keys import Keys
 from pipeline.weightstore import manifest as mf
 from pipeline.weightstore.mirror import Mirror
 from pipeline.weightstore.stores import RedisStore
-from tests.integration.test_closed_loop import log_events, records, reference_logprobs
+from tests.integration.test_closed_loop import log_events, logprob_gap, records
 from tests.redis_server import free_port
 
 STEPS = 8
@@ -140,12 +140,7 @@ def check_logprobs(groups: dict[str, dict[str, Any]], versions: list[int], url: 
     for v in versions:
         assert mirror.sync(v) == v
         model = load_causal_lm(check / f"v{v:08d}").eval()
-        for g in (g for g in groups.values() if g["version"] == v):
-            for s in g["sequences"]:
-                ref = reference_logprobs(model, s["tokens"])
-                for t, m in enumerate(s["loss_mask"]):
-                    if m:
-                        worst = max(worst, abs(ref[t] - s["logprobs"][t]))
-                        tokens += 1
+        gap, n = logprob_gap(model, (g for g in groups.values() if g["version"] == v))
+        worst, tokens = max(worst, gap), tokens + n
     assert tokens > 0 and worst <= TOL, worst
     return worst, tokens
