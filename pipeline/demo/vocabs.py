@@ -98,6 +98,7 @@ def smollm2_tokenizer(cache: Path | None = None) -> Any:
     if not (folder / "tokenizer_config.json").is_file():
         src = gguf_path()
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        folder.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
             tokenizer.save_pretrained(tmp + "/out")
             if folder.exists():
