@@ -56,6 +56,13 @@ class Setup:
     kl_prompts: int = 24  # the exact reverse KL on the first N of them
     eval_max_new: int = 12
     trl_beta: float = 0.0  # TRL's generalised JSD: 0 is the forward KL
+    # distillq's side, one knob at a time (the real demo's defaults): the teacher's k, the feeder's staleness bound,
+    # the policy-gradient weight beside the top-k forward KL, and how often the learner checkpoints
+    top_k: int = 64
+    max_staleness: int = 3
+    max_ahead: int | None = None  # rollout pacing (versions ahead); --on-policy sets 0 with a staleness bound of 0
+    pg_weight: float = 0.0
+    checkpoint_every: int = 1
     trl_threads: int = 2
     timeout_s: float = 3600.0
     seed: int = 0
@@ -144,7 +151,9 @@ def run_distillq(setup: Setup, student: Path, teacher: Path, out: Path) -> tuple
     try:
         cfg = RealDemoConfig(redis_url=embedded.url, out=out, namespace="vs-trl", steps=setup.steps,
                              group_size=GROUP_SIZE, groups_per_batch=setup.groups_per_step, max_tokens=setup.max_new,
-                             lr=setup.lr, timeout_s=setup.timeout_s, evaluate=False)
+                             lr=setup.lr, timeout_s=setup.timeout_s, evaluate=False, top_k=setup.top_k,
+                             max_staleness=setup.max_staleness, max_ahead=setup.max_ahead, pg_weight=setup.pg_weight,
+                             checkpoint_every=setup.checkpoint_every)
         enqueue(cfg)
         t0 = time.perf_counter()
         result = run_pipeline(cfg, student, teacher, console)
@@ -287,6 +296,16 @@ def parse(argv: list[str] | None) -> tuple[Setup, Path]:
     p.add_argument("--task-prompts", type=int, help="held-out prompts for the task metrics (all 103; --quick: 6)")
     p.add_argument("--kl-prompts", type=int, help="the exact reverse KL on the first N of them (24; --quick: 3)")
     p.add_argument("--only", choices=("distillq", "trl"), help="run one side only")
+    p.add_argument("--top-k", type=int, default=Setup.top_k, help="distillq: the teacher's k (64)")
+    p.add_argument("--max-staleness", type=int, default=Setup.max_staleness,
+                   help="distillq: the feeder's staleness bound in versions (3; 0: on-policy batches only)")
+    p.add_argument("--on-policy", action="store_true",
+                   help="distillq: every batch sampled by the weights it trains (rollout pacing 0 versions ahead, "
+                        "staleness bound 0)")
+    p.add_argument("--pg-weight", type=float, default=Setup.pg_weight,
+                   help="distillq: the policy-gradient term's weight beside the top-k forward KL (0)")
+    p.add_argument("--checkpoint-every", type=int, default=Setup.checkpoint_every,
+                   help="distillq: the learner checkpoints every N steps (1)")
     p.add_argument("--timeout", type=float, default=Setup.timeout_s, help="distillq's time budget, seconds")
     p.add_argument("--out", type=Path, default=Path("bench-out/vs-trl"))
     a = p.parse_args(argv)
@@ -298,6 +317,10 @@ def parse(argv: list[str] | None) -> tuple[Setup, Path]:
     if setup.steps < 1 or setup.samples_per_step < GROUP_SIZE or setup.samples_per_step % GROUP_SIZE:
         p.error(f"--steps must be at least 1 and --samples-per-step a positive multiple of {GROUP_SIZE}")
     setup.trl_beta, setup.timeout_s = a.trl_beta, a.timeout
+    setup.top_k, setup.max_staleness, setup.pg_weight = a.top_k, a.max_staleness, a.pg_weight
+    setup.checkpoint_every = a.checkpoint_every
+    if a.on_policy:
+        setup.max_staleness, setup.max_ahead = 0, 0
     if a.task_prompts is not None:
         setup.task_prompts = a.task_prompts
     if a.kl_prompts is not None:

@@ -46,6 +46,7 @@ class RealDemoConfig:
     lr: float = 2e-4  # decaying linearly to 0 at the last step
     pg_weight: float = 0.0  # see docs/real-pair.md: the top-k forward KL on its own samples carries the signal
     max_staleness: int = 3
+    max_ahead: int | None = None  # rollout pacing: sample at most this many versions ahead (None: unpaced)
     max_wait_s: float = 30.0  # the feeder waits this long for a full batch rather than send one group
     eval_every: int = 40
     eval_prompts: int | None = None  # task metrics on the first N held-out prompts; None: all of them
@@ -67,7 +68,7 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
         ProcSpec("rollout-0", distillq_argv(
             "worker", "rollout", "--backend", "hf", "--model", str(student), "--weights-dir", weights,
             "--group-size", str(cfg.group_size), "--max-tokens", str(cfg.max_tokens), "--reward", "none",
-            "--max-jobs", "2", "--device", cfg.device, "--consumer-name", "rollout-0")),
+            "--max-jobs", "2", "--device", cfg.device, "--consumer-name", "rollout-0", *pacing_args(cfg))),
         ProcSpec("teacher", distillq_argv(
             "worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer", str(student),
             "--top-k", str(cfg.top_k), "--rows", "trained", "--device", cfg.device, "--consumer-name", "teacher-0")),
@@ -86,6 +87,13 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
                              "--device", cfg.device, "--metrics-file",
                              str(cfg.out / "metrics.jsonl"), "--batch-timeout", "300"], restart=False),
     ]
+
+
+def pacing_args(cfg: RealDemoConfig) -> list[str]:
+    """The rollout worker's pacing flags (docs/learner.md): none unless ``cfg.max_ahead`` is set."""
+    if cfg.max_ahead is None:
+        return []
+    return ["--max-ahead", str(cfg.max_ahead), "--groups-per-step", str(cfg.groups_per_batch)]
 
 
 def evaluation_args(cfg: RealDemoConfig, teacher: Path) -> list[str]:
