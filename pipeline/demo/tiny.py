@@ -59,6 +59,7 @@ class DemoConfig:
     resume: bool = False  # go on from the learner's checkpoint in out/weights instead of starting clean
     student_backend: str = "hf"  # or "vllm": a vLLM server synced every step (pipeline.demo.vllm_student)
     pools: dict[str, Path] = field(default_factory=dict)  # teacher pool -> its teacher (``demo --teachers 2``)
+    cross_tokenizer: bool = False  # the teacher has a tokenizer of its own (``demo --cross-tokenizer``)
 
     def settings(self) -> RedisSettings:
         return RedisSettings(redis_url=self.redis_url, namespace=self.namespace)
@@ -153,11 +154,16 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
         from pipeline.demo.teachers import teacher_specs
 
         specs += teacher_specs(cfg.pools, student, cfg.top_k)
+    elif cfg.cross_tokenizer:  # the learner's evaluator assumes the student's tokenizer: the demo measures on text
+        from pipeline.demo.crosstok_demo import teacher_spec
+
+        specs.append(teacher_spec(teacher, student, cfg.top_k))
     else:
         specs.append(ProcSpec("teacher", distillq_argv(
             "worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer", str(student),
             "--top-k", str(cfg.top_k), "--consumer-name", "teacher-0")))
-    evaluation = [] if cfg.pools else ["--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every)]
+    evaluation = [] if cfg.pools or cfg.cross_tokenizer else [
+        "--eval-teacher", str(teacher), "--eval-every", str(cfg.eval_every)]
     specs += [
         ProcSpec("feeder", distillq_argv(
             "worker", "feeder", "--max-batch-groups", str(cfg.groups_per_batch), "--max-staleness", "3",

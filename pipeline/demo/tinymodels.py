@@ -88,7 +88,9 @@ def _key(seed: int) -> str:
     return hashlib.sha256(spec.encode()).hexdigest()[:12]
 
 
-def build_tokenizer(out: Path) -> None:
+def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """The byte-level BPE tokenizer of ``vocab_size`` ids (the special tokens and the chat markup of ``SPECIALS`` and
+    ``CHAT_TEMPLATE`` whatever the size), trained on ``corpus()``, saved as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,7 +98,7 @@ def build_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -23,6 +23,8 @@ from pipeline.stages.exits import EXIT_FAILED, EXIT_USAGE, CliError
 from pipeline.transport.connection import mask_url
 
 if TYPE_CHECKING:
+    from pipeline.demo.crosstok_demo import TextKL
+    from pipeline.demo.tiny import DemoConfig, DemoResult
     from pipeline.demo.tinymodels import TinyModels
 
 
@@ -42,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="2: two teachers, each a teacher pool that knows its own task (a+b=, a-b=), and one student "
                         "learning from both; the report and the plot give the held-out reverse KL to each teacher "
                         "on its own task (docs/teacher-pools.md)")
+    p.add_argument("--cross-tokenizer", action="store_true",
+                   help="a teacher of another tokenizer: a tiny teacher on a byte-level BPE of its own (384 ids, other "
+                        "merges, the same special tokens), its worker run with --cross-tokenizer; the report gives "
+                        "the held-out reverse KL on text, per completion and per byte (docs/learner.md)")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
                         "earlier run's are replaced")
@@ -136,11 +142,18 @@ def start_redis(args: argparse.Namespace, namespace: str, console: Console, serv
     return servers[-1].url
 
 
-def pretrained(tiny: TinyModels, teachers: int, console: Console) -> tuple[Path, dict[str, Path]]:
-    """The trained teacher (cached), and with ``teachers`` 2 each pool's (``add`` is the first)."""
+def pretrained(tiny: TinyModels, teachers: int, console: Console, *,
+               cross: bool = False) -> tuple[Path, dict[str, Path]]:
+    """The trained teacher (cached), and with ``teachers`` 2 each pool's (``add`` is the first); ``cross``: the teacher
+    of a tokenizer of its own."""
     from pipeline.demo.pretrain import train_teacher
 
     with console.status("training the teacher on the arithmetic task (cached)...") as status:
+        if cross:
+            from pipeline.demo.crosstok_demo import train_cross_teacher
+
+            return train_cross_teacher(progress=lambda s, loss: status.update(
+                f"training the teacher of its own tokenizer: step {s + 1}, loss {loss:.3f}")), {}
         if teachers == 2:
             from pipeline.demo.teachers import train_teachers
 
@@ -170,9 +183,45 @@ def each_teacher(summary: dict[str, object], student: Path, pools: dict[str, Pat
     return teachers.plot(rows, out / "reverse_kl.png")
 
 
-def main(args: argparse.Namespace) -> int:
+def heldout_on_text(student: Path, teacher: Path, console: Console) -> TextKL:
+    """``demo --cross-tokenizer``: the text-level held-out reverse KL of the student in ``student`` to ``teacher``."""
+    from pipeline.demo.crosstok_demo import heldout_text_kl
+
+    with console.status("held-out reverse KL on text (student and teacher each on its own tokens)..."):
+        return heldout_text_kl(student, teacher)
+
+
+def cross_report(summary: dict[str, object], result: DemoResult, start: TextKL, student: Path, teacher: Path,
+                 out: Path, console: Console) -> Path | None:
+    """``demo --cross-tokenizer``: the text-level held-out reverse KL of the last weights the learner published
+    (``start``: before the run), the tokenizers and the aligned share into ``summary``, and the plot."""
+    from pipeline.demo import crosstok_demo
+    from pipeline.demo.tiny import change
+    from pipeline.models.weights import latest
+
+    published = latest(out / "weights")
+    end = heldout_on_text(published.path, teacher, console) if published is not None else start
+    summary.update(crosstok_demo.summary(start, end, student, teacher))
+    share = crosstok_demo.aligned_share(result.history)
+    if share is not None:
+        summary["aligned_token_share"] = round(share, 4)
+    s, t = summary["student_tokenizer"], summary["teacher_tokenizer"]
+    console.print(f"tokenizers: student {s['vocab_size']} ids, teacher {t['vocab_size']} ids"  # type: ignore[index]
+                  + (f"; {100 * share:.1f}% of trained tokens in aligned chunks" if share is not None else ""))
+    console.print(f"held-out reverse KL(student || teacher) on text: {start.per_sequence:.3f} -> "
+                  f"{end.per_sequence:.3f} nats per completion ({change(start.per_sequence, end.per_sequence)}); "
+                  f"{start.per_byte:.3f} -> {end.per_byte:.3f} per byte; completions not UTF-8 text "
+                  f"{start.byte_fallback}/{start.sequences} -> {end.byte_fallback}/{end.sequences}")
+    return crosstok_demo.plot(result.history, start, end, out / "reverse_kl.png")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse the combinations of options the demo does not run."""
     if args.real and args.teachers != 1:
         raise CliError("--teachers 2 runs the tiny pair's two tasks; --real has one teacher", EXIT_USAGE)
+    if args.cross_tokenizer and (args.real or args.teachers != 1):
+        raise CliError("--cross-tokenizer runs the tiny pair with one teacher of its own tokenizer; not with "
+                       + ("--real" if args.real else "--teachers 2"), EXIT_USAGE)
     if args.weights_url is not None:
         from pipeline.weightstore.stores import is_url
 
@@ -180,11 +229,43 @@ def main(args: argparse.Namespace) -> int:
             raise CliError("--weights-url is a --real option (the tiny demo publishes into OUT/weights)", EXIT_USAGE)
         if not is_url(args.weights_url):  # ConfigurationError (exit 2) for a scheme that is not supported
             raise CliError(f"--weights-url {args.weights_url}: a redis:// or s3:// URL, not a folder", EXIT_USAGE)
+
+
+def run_tiny(args: argparse.Namespace, cfg: DemoConfig, tiny: TinyModels, teacher: Path, pools: dict[str, Path],
+             console: Console, t0: float) -> int:
+    """Run the tiny pipeline of ``cfg``, then write the report and the plot; the exit status."""
+    from pipeline.demo.tiny import enqueue, plot, report, run_pipeline
+    from pipeline.models.weights import latest
+
+    console.print(f"enqueued {enqueue(cfg)} prompts")
+    start_text: TextKL | None = None
+    if cfg.cross_tokenizer:  # before training: the initial student, or the weights a resumed run goes on from
+        published = latest(args.out / "weights") if args.resume else None
+        start_text = heldout_on_text(published.path if published else tiny.student, teacher, console)
+    result = run_pipeline(cfg, tiny.student, teacher, console)
+    summary = report(result, console)
+    png: Path | None = None
+    if pools:
+        png = each_teacher(summary, tiny.student, pools, args.out, console)
+    elif start_text is not None:
+        png = cross_report(summary, result, start_text, tiny.student, teacher, args.out, console)
+    summary["total_s"] = round(time.monotonic() - t0, 1)
+    (args.out / "report.json").write_text(json.dumps(summary, indent=2))
+    if not pools and start_text is None:
+        png = plot(result, args.out / "reverse_kl.png")
+    console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
+                  + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
+    ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
+    return 0 if ok else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    check_args(args)
     if args.real:
         from pipeline.cli.commands.demo_real import main as main_real
 
         return main_real(args)
-    from pipeline.demo.tiny import DemoConfig, can_resume, plot, report, run_pipeline
+    from pipeline.demo.tiny import DemoConfig, can_resume
     from pipeline.demo.tinymodels import ensure_tiny_models
 
     if args.student == "vllm":
@@ -205,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
         prepare_out(args, console)
         with console.status("building tiny models (cached after the first run)..."):
             tiny = ensure_tiny_models()
-        teacher, pools = pretrained(tiny, args.teachers, console)
+        teacher, pools = pretrained(tiny, args.teachers, console, cross=args.cross_tokenizer)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: "
                       + (", ".join(f"teacher {p} {d}" for p, d in pools.items()) if pools else f"teacher {teacher}")
                       + f", student {tiny.student}")
@@ -213,24 +294,9 @@ def main(args: argparse.Namespace) -> int:
 
         cfg = DemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or 150,
                          rollout_workers=args.rollout_workers, resume=args.resume,
-                         student_backend=args.student, pools=pools,
+                         student_backend=args.student, pools=pools, cross_tokenizer=args.cross_tokenizer,
                          timeout_s=(args.timeout or 240.0) + (START_S if args.student == "vllm" else 0.0))
-        from pipeline.demo.tiny import enqueue
-
-        console.print(f"enqueued {enqueue(cfg)} prompts")
-        result = run_pipeline(cfg, tiny.student, teacher, console)
-        summary = report(result, console)
-        png: Path | None = None
-        if pools:
-            png = each_teacher(summary, tiny.student, pools, args.out, console)
-        summary["total_s"] = round(time.monotonic() - t0, 1)
-        (args.out / "report.json").write_text(json.dumps(summary, indent=2))
-        if not pools:
-            png = plot(result, args.out / "reverse_kl.png")
-        console.print(f"report: {args.out / 'report.json'}" + (f", plot: {png}" if png else "")
-                      + f", logs: {args.out / 'logs'}; total {summary['total_s']} s")
-        ok = result.exit_codes.get("learner") == 0 and len(result.history) > 1
-        return 0 if ok else 1
+        return run_tiny(args, cfg, tiny, teacher, pools, console, t0)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/yellow]")
         return 130

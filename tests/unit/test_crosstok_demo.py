@@ -1,0 +1,102 @@
+"""``demo --cross-tokenizer``'s held-out reverse KL on text: on one tokenizer it is the token-level figure of the same
+tokens; across tokenizers the teacher scores its own tokens of the same text; a completion that is not UTF-8 text is
+scored on the byte fallback and counted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.demo.crosstok_demo import (
+    TEACHER_VOCAB_SIZE,
+    Side,
+    aligned_share,
+    ensure_cross_models,
+    heldout_questions,
+    sequence_kl,
+    text_reverse_kl,
+    token_logprobs,
+)
+from pipeline.demo.pretrain import chat_ids
+from pipeline.demo.tinymodels import ensure_tiny_models, is_heldout
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def sides() -> tuple[Side, Side, Side]:
+    """The tiny student, the tiny teacher on the student's tokenizer, and the teacher of a tokenizer of its own
+    (untrained: the figures are compared, not their size)."""
+    tiny = ensure_tiny_models()
+    return Side.load(tiny.student), Side.load(tiny.teacher), Side.load(ensure_cross_models().teacher)
+
+
+def ids(side: Side, text: str) -> list[int]:
+    return [int(t) for t in side.tokenizer(text, add_special_tokens=False)["input_ids"]] + \
+        [int(side.tokenizer.eos_token_id)]
+
+
+def test_the_teachers_tokenizer_has_its_own_vocabulary_and_the_same_markup(sides: tuple[Side, Side, Side]) -> None:
+    student, _, cross = sides
+    assert len(cross.tokenizer) == TEACHER_VOCAB_SIZE != len(student.tokenizer)
+    assert sorted(cross.vocab.special.values()) == sorted(student.vocab.special.values())
+    assert ids(student, "68") != ids(cross, "68")  # other merges: "68" is one student token, two teacher tokens
+    assert cross.tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+                                               add_generation_prompt=True) == "<|user|>1+2=<|assistant|>"
+
+
+def test_on_one_tokenizer_it_is_the_token_level_figure(sides: tuple[Side, Side, Side]) -> None:
+    student, teacher, _ = sides
+    for question, answer in (("12+30=", "42"), ("7+9=", "16"), ("25+25=", "50")):
+        completion = ids(student, answer)
+        prompt = chat_ids(student.tokenizer, question)
+        direct = float(np.sum(token_logprobs(student.model, prompt, completion)
+                              - token_logprobs(teacher.model, prompt, completion)))
+        kl, nbytes, fallback = sequence_kl(student, teacher, question, completion)
+        assert kl == pytest.approx(direct, abs=1e-4)
+        assert (nbytes, fallback) == (len(answer), False)
+
+
+def test_across_tokenizers_the_teacher_scores_its_own_tokens_of_the_text(sides: tuple[Side, Side, Side]) -> None:
+    student, _, cross = sides
+    question, answer = "31+37=", "68"
+    completion = ids(student, answer)
+    own = ids(cross, answer)
+    assert len(own) == len(completion) + 1
+    s_lp = token_logprobs(student.model, chat_ids(student.tokenizer, question), completion).sum()
+    t_lp = token_logprobs(cross.model, chat_ids(cross.tokenizer, question), own).sum()
+    kl, nbytes, fallback = sequence_kl(student, cross, question, completion)
+    assert kl == pytest.approx(float(s_lp - t_lp), abs=1e-4)
+    assert (nbytes, fallback) == (2, False)
+
+
+def test_a_completion_that_is_not_text_is_scored_on_the_byte_fallback(sides: tuple[Side, Side, Side]) -> None:
+    student, _, cross = sides
+    byte_c3 = student.tokenizer.convert_tokens_to_ids("Ã")  # the byte 0xC3 alone: not UTF-8
+    completion = [*ids(student, "4")[:-1], byte_c3, int(student.tokenizer.eos_token_id)]
+    kl, nbytes, fallback = sequence_kl(student, cross, "1+3=", completion)
+    own = [*ids(cross, "4")[:-1], cross.tokenizer.convert_tokens_to_ids("Ã"), int(cross.tokenizer.eos_token_id)]
+    s_lp = token_logprobs(student.model, chat_ids(student.tokenizer, "1+3="), completion).sum()
+    t_lp = token_logprobs(cross.model, chat_ids(cross.tokenizer, "1+3="), own).sum()
+    assert fallback and nbytes == 2
+    assert kl == pytest.approx(float(s_lp - t_lp), abs=1e-4)
+
+
+def test_the_mean_over_held_out_prompts_per_completion_and_per_byte(sides: tuple[Side, Side, Side]) -> None:
+    student, _, cross = sides
+    questions = heldout_questions(12)
+    assert all(is_heldout(*(int(x) for x in q[:-1].split("+"))) for q in questions)
+    a = text_reverse_kl(student, cross, questions, seed=3)
+    b = text_reverse_kl(student, cross, questions, seed=3)
+    assert a == b  # common random numbers: the same samples for the same weights
+    assert a.sequences == 12 and a.text_bytes > 0 and 0 <= a.byte_fallback <= 12
+    assert a.per_byte == pytest.approx(a.per_sequence * a.sequences / a.text_bytes)
+    assert math.isfinite(a.per_sequence)
+
+
+def test_aligned_share_where_the_records_carry_it() -> None:
+    assert aligned_share([{"step": 1.0, "tokens": 10.0}]) is None
+    assert aligned_share([{"step": 1.0, "tokens": 10.0, "aligned_tokens": 8.0},
+                          {"step": 2.0, "tokens": 30.0, "aligned_tokens": 30.0}]) == pytest.approx(38 / 40)
