@@ -21,9 +21,26 @@ A sequence has ``L`` tokens ``tokens[0..L-1]`` (prompt, completions, later turns
   them; prompt, earlier-turn and tool-output rows are neither computed nor shipped. ``rows`` absent
   means all ``L - 1`` rows (the schema 1 layout, still accepted).
 
+* Cross-tokenizer payloads (schema 3; a teacher of another tokenizer, ``pipeline.teacher.crossscore``):
+  ``chunk_last`` (uint8 ``[R]``) marks, per held row ``r`` (about token ``tokens[r + 1]``), whether the token is
+  inside an aligned chunk but not its last (0), the last token of a chunk whose teacher log-probability (the sum
+  over the chunk's teacher tokens) is ``sampled_logprobs[j]`` (1), or the last token of a chunk with no teacher
+  signal (2: a special token the teacher has no counterpart for; its tokens get advantage 0).
+  ``sampled_logprobs`` is 0.0 where ``chunk_last != 1``. ``topk_mapped`` (uint8 ``[R, k]``) is 1 where the slot
+  holds a teacher entry mapped to a student id by equal bytes, 0 for an empty slot (id 0, a valid logprob that
+  readers ignore). Mapped slots come first, sorted by logprob, highest first; a row with none carries no top-k
+  signal (its token does not start on a boundary both tokenizations share, or nothing mapped). The
+  position-convention spot check does not apply to such a payload.
+
 Schema evolution: every message carries ``schema``; new fields are appended with defaults only and
 readers skip fields they do not know (unknown fields are never forbidden), so rolling deploys work.
 ``schema`` is bumped only on an incompatible change, which older readers reject with a clear error.
+
+Schema 3 is such a change for the groups it marks: a schema 2 reader skipping ``chunk_last``/``topk_mapped``
+would take chunk sums for per-token logprobs and empty slots (id 0) for teacher entries, and train on them
+without a word. So a scored group with cross-tokenizer payloads (and its header, and a batch holding it) is
+stamped ``schema = 3``, which a schema 2 reader refuses ("version 3 not supported"); every other message is
+still stamped ``BASE_SCHEMA`` (2), so a same-tokenizer pipeline keeps rolling deploys across the change.
 """
 
 from __future__ import annotations
@@ -40,7 +57,11 @@ from schemas.arrays import Array
 #: Current wire schema. Readers accept messages whose ``schema`` is at most this.
 #: 2: teacher payloads may hold only the trained rows (``TeacherPayload.rows``); a schema 1 reader would
 #: mis-read them as the first rows of the sequence, so it must refuse them (it does: "version 2 not supported").
-SCHEMA_VERSION: Final = 2
+#: 3: cross-tokenizer teacher payloads (``TeacherPayload.chunk_last``/``topk_mapped``), stamped only on the groups
+#: that carry them (see the module docstring).
+SCHEMA_VERSION: Final = 3
+#: The schema every message is stamped with unless it carries a cross-tokenizer payload.
+BASE_SCHEMA: Final = 2
 
 
 class DistillStatus(enum.Enum):
@@ -60,6 +81,13 @@ class TeacherPayload(msgspec.Struct, frozen=True, kw_only=True):
     topk_logprobs: Array  # float32 (or float16, see schemas.arrays) [R, k], sorted descending per row
     sampled_logprobs: Array  # float32 [R]: teacher logprob of tokens[r + 1] for each row r
     rows: Array | None = None  # int32 [R], strictly increasing rows in [0, L-1); None: R = L - 1, rows 0..L-2
+    chunk_last: Array | None = None  # uint8 [R], cross-tokenizer payloads only: 0 inside a chunk, 1 last, 2 no signal
+    topk_mapped: Array | None = None  # uint8 [R, k], cross-tokenizer payloads only: 1 = mapped slot, 0 = empty
+
+    @property
+    def cross(self) -> bool:
+        """A payload from a teacher of another tokenizer (chunk signal, mapped top-k)."""
+        return self.chunk_last is not None
 
     def row_index(self, length: int) -> npt.NDArray[np.int32]:
         """The rows this payload holds, for a sequence of ``length`` tokens."""
@@ -101,7 +129,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True, tag="rollout", tag
 
     group_id: str
     sequences: list[Sequence]
-    schema: int = SCHEMA_VERSION
+    schema: int = BASE_SCHEMA
     env_id: int = 0
     task_id: str = ""
     policy_version: int = 0
@@ -131,7 +159,7 @@ class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True, tag="scored", tag_f
     k: int = 0  # the k used for this group (after overrides and caps)
     teacher_id: str = ""  # model name and self-test checksum of the scoring teacher
     scored_at: float = 0.0
-    schema: int = SCHEMA_VERSION
+    schema: int = BASE_SCHEMA
     pool: str = "default"  # the teacher pool that scored it (``schemas.pools``; ``group_overrides.teacher``)
 
     @property
@@ -153,7 +181,7 @@ class TrainBatch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_fie
     policy_version: int = 0  # learner version the feeder saw when batching
     created_at: float = 0.0
     stats: dict[str, float] | None = None
-    schema: int = SCHEMA_VERSION
+    schema: int = BASE_SCHEMA
 
 
 class GroupHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -175,8 +203,14 @@ class GroupHeader(msgspec.Struct, frozen=True, kw_only=True):
     kl_tokens: int = 0
     payload_bytes: int = 0
     created_at: float = 0.0
-    schema: int = SCHEMA_VERSION
+    schema: int = BASE_SCHEMA
     pool: str = "default"  # the teacher pool that scored the group
+    # A group with cross-tokenizer payloads: its trained tokens, those in aligned chunks with teacher signal, its
+    # trained rows with a mapped top-k slot, and the sum over those rows of the mapped probability mass.
+    cross_tokens: int = 0
+    cross_aligned: int = 0
+    cross_topk_rows: int = 0
+    cross_topk_mass: float = 0.0
 
 
 class GroupRef(msgspec.Struct, frozen=True, array_like=True):
@@ -206,7 +240,7 @@ class BatchManifest(msgspec.Struct, frozen=True, kw_only=True, tag="manifest", t
     policy_version: int = 0  # learner version the feeder saw when batching
     created_at: float = 0.0
     stats: dict[str, float] | None = None
-    schema: int = SCHEMA_VERSION
+    schema: int = BASE_SCHEMA
 
 
 Message = RolloutGroup | ScoredGroup | TrainBatch | BatchManifest

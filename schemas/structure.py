@@ -120,6 +120,11 @@ def _scored_ok(s: ScoredGroup, limits: Limits) -> bool:
         a = t.sampled_logprobs
         if a.shape != (rows,) or a.dtype != FLOAT32 or len(a.data) != 4 * rows:
             return False
+        c, m = t.chunk_last, t.topk_mapped  # a cross-tokenizer payload: both, uint8 [rows] and [rows, k]
+        if (c is not None or m is not None) and (
+                c is None or m is None or c.shape != (rows,) or c.dtype != UINT8 or len(c.data) != rows
+                or m.shape != shape or m.dtype != UINT8 or len(m.data) != rows * k):
+            return False
     return True
 
 

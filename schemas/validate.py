@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -293,6 +293,14 @@ def _teacher(t: TeacherPayload, mask: npt.NDArray[np.generic], name: str, limits
     if _shape(t.sampled_logprobs, name, ".sampled_logprobs", _F32, 1) != (n,):
         shape = t.sampled_logprobs.shape
         raise DecodeError(f"{name}.sampled_logprobs", f"shape {shape} != ({n},)")
+    cross = t.chunk_last is not None or t.topk_mapped is not None
+    if cross:
+        for field, a, want in ((".chunk_last", t.chunk_last, (n,)), (".topk_mapped", t.topk_mapped, rows)):
+            if a is None:
+                raise DecodeError(name + field, "missing: a cross-tokenizer payload carries chunk_last and "
+                                                "topk_mapped together")
+            if _shape(a, name, field, _U8, len(want)) != want:
+                raise DecodeError(name + field, f"shape {a.shape} != {want}")
     if not limits.check_values:
         return None
     # Flat views (the shapes were just checked): the value checks need no shape, the convention
@@ -303,7 +311,46 @@ def _teacher(t: TeacherPayload, mask: npt.NDArray[np.generic], name: str, limits
     _ids(ids, name, ".topk_ids", limits)
     _logprobs(lps, name, ".topk_logprobs", limits)
     _logprobs(sampled, name, ".sampled_logprobs", limits)
+    if cross:  # the position convention does not hold (chunk sums, mapped slots): its own checks instead
+        _cross(t, mask, idx, lps.reshape(rows), sampled, name, limits)
+        return None
     return name, ids.reshape(rows), lps.reshape(rows), sampled
+
+
+def _cross(t: TeacherPayload, mask: npt.NDArray[np.generic], idx: npt.NDArray[np.int32] | None,
+           lps: npt.NDArray[Any], sampled: npt.NDArray[np.generic], name: str, limits: Limits) -> None:
+    """A cross-tokenizer payload's values: ``chunk_last`` in {0, 1, 2} and not 0 on the last row of a trained
+    span (a chunk never straddles trained and untrained tokens); ``sampled_logprobs`` 0.0 where ``chunk_last !=
+    1``; ``topk_mapped`` 0/1 with the mapped slots first and sorted by logprob (within ``logprob_tolerance``)."""
+    assert t.chunk_last is not None and t.topk_mapped is not None  # checked by the caller
+    last = np.frombuffer(t.chunk_last.data, np.uint8)
+    if last.size and int(_MAX(last)) > 2:
+        raise DecodeError(f"{name}.chunk_last", "values must be 0, 1 or 2")
+    off = last != 1
+    if _ANY(sampled[off] != 0.0):
+        j = int(np.flatnonzero(off & (sampled != 0.0))[0])
+        raise DecodeError(f"{name}.sampled_logprobs", f"entry {j} is {float(sampled[j]):g} where chunk_last is "
+                                                      f"{int(last[j])} (must be 0.0: no chunk ends there)")
+    trained = mask[1:].astype(np.bool_)
+    ends = np.flatnonzero(trained & ~np.append(trained[1:], False))  # the last row of each trained span
+    at = ends if idx is None else np.searchsorted(idx, ends)
+    if at.shape[0] and _ANY(last[at] == 0):
+        r = int(ends[np.flatnonzero(last[at] == 0)[0]])
+        raise DecodeError(f"{name}.chunk_last", f"row {r} ends a trained span inside a chunk (must be 1 or 2)")
+    mapped: npt.NDArray[Any] = np.frombuffer(t.topk_mapped.data, np.uint8).reshape(lps.shape)
+    if mapped.size and int(_MAX(mapped, axis=None)) > 1:
+        raise DecodeError(f"{name}.topk_mapped", "values must be 0 or 1")
+    if int(lps.shape[1]) > 1:
+        early = mapped[:, 1:] > mapped[:, :-1]
+        if _ANY(early, axis=None):
+            j = int(np.flatnonzero(_ANY(early, axis=1))[0])
+            raise DecodeError(f"{name}.topk_mapped", f"entry {j}: an empty slot before a mapped one (mapped first)")
+        rise = (lps[:, 1:].astype(np.float32) - lps[:, :-1].astype(np.float32)) > limits.logprob_tolerance
+        rise &= mapped[:, 1:].view(np.bool_)
+        if _ANY(rise, axis=None):
+            j = int(np.flatnonzero(_ANY(rise, axis=1))[0])
+            raise DecodeError(f"{name}.topk_logprobs", f"entry {j}: mapped slots not sorted by logprob, highest "
+                                                      "first")
 
 
 def _convention_part(part: _Payload, t: TeacherPayload, tokens: npt.NDArray[np.generic]) -> _Convention:

@@ -84,7 +84,13 @@ class TeacherSettings(FlagSettings):
         None, description="teacher tokenizer, for the vocabulary check")
     student_tokenizer: Annotated[str | None, Flag(
         env="STUDENT_TOKENIZER", metavar="PATH", default_text="no check")] = Field(
-        None, description="compare vocabularies with this tokenizer at startup; refuse to start if they differ")
+        None, description="compare vocabularies with this tokenizer at startup; refuse to start if they differ "
+                          "(unless `--cross-tokenizer`)")
+    cross_tokenizer: bool = Field(
+        False, description="score a student of another tokenizer (needs `--student-tokenizer` and a teacher "
+                           "`--tokenizer` or local `--model`): each sequence's text is re-tokenized for the teacher "
+                           "and its answer mapped back to student positions, per aligned chunk "
+                           "([cross-tokenizer.md](cross-tokenizer.md)); with `--rows trained` only")
     top_k: Annotated[int, Flag(env="TOP_K", metavar="K")] = Field(
         20, ge=1, description="default k; a group's `group_overrides.teacher_top_k` replaces it (values below 1 "
                               "become 1)")

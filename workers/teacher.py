@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 import redis.asyncio as aioredis
 import structlog
@@ -18,6 +18,9 @@ from pipeline.teacher.base import TeacherBackend, TeacherConfigError
 from pipeline.transport.keys import Keys, pool_stream
 from pipeline.transport.pools import register_pool
 from schemas import RolloutGroup
+
+if TYPE_CHECKING:
+    from pipeline.teacher.crossscore import CrossTokenizer
 from schemas.pools import pool_problem
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import (
@@ -101,7 +104,10 @@ async def _checked(backend: TeacherBackend, args: argparse.Namespace) -> Scorer:
             f"--top-k {args.top_k} exceeds the teacher's logprob cap of {backend.max_k} "
             "(raise the server's --max-logprobs or lower --top-k)"
         )
-    if args.student_tokenizer:
+    cross = None
+    if args.cross_tokenizer:
+        cross = cross_tokenizer(args)
+    elif args.student_tokenizer:
         teacher_tok = args.tokenizer or args.model
         if not teacher_tok:
             raise TeacherConfigError("--tokenizer (or a local --model path) is needed to compare vocabularies")
@@ -109,7 +115,24 @@ async def _checked(backend: TeacherBackend, args: argparse.Namespace) -> Scorer:
     checksum = await self_test_checksum(backend)
     log.info("teacher_ready", identity=backend.identity, max_k=backend.max_k, top_k=args.top_k, self_test=checksum)
     return Scorer(backend, scoring_config(from_args(TeacherSettings, args)), limits=stream_settings(args).limits(),
-                  pool=args.pool)
+                  pool=args.pool, cross=cross)
+
+
+def cross_tokenizer(args: argparse.Namespace) -> CrossTokenizer:
+    """``--cross-tokenizer``: both tokenizers' byte tables and the teacher-to-student id map, built once."""
+    from pipeline.teacher.crossscore import CrossTokenizer
+
+    teacher_tok = args.tokenizer or args.model
+    if not args.student_tokenizer or not teacher_tok:
+        raise TeacherConfigError("--cross-tokenizer needs --student-tokenizer and the teacher's --tokenizer (or a "
+                                 "local --model path)")
+    if args.rows != "trained":
+        raise TeacherConfigError("--cross-tokenizer ships the trained rows only: drop --rows all")
+    cross = CrossTokenizer.load(teacher_tok, args.student_tokenizer)
+    log.info("cross_tokenizer", teacher=str(teacher_tok), student=str(args.student_tokenizer),
+             teacher_ids=len(cross.teacher_vocab), student_ids=len(cross.student),
+             mapped_share=round(cross.mapped_share(), 4), teacher_bos=cross.bos_id)
+    return cross
 
 
 async def serve(args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event) -> None:

@@ -15,6 +15,12 @@ elsewhere. Top-k slots that carry no teacher entry (past the row's ``k``, a grou
 padding) have id 0 and logprob ``PAD_LOGPROB`` (a large negative *finite* number, so that
 ``exp(PAD_LOGPROB) == 0`` and no ``0 * inf`` NaN arises); ``pipeline.learner.losses`` treats any logprob
 ``<= PAD_LOGPROB / 2`` as an empty slot.
+
+Cross-tokenizer payloads (``TeacherPayload.topk_mapped``, a teacher of another tokenizer): their empty slots
+(``topk_mapped`` 0) become id 0 and ``PAD_LOGPROB`` too, and a row with no mapped slot gets ``distill_mask`` 0, so
+the top-k losses see the mapped teacher entries only (their unmapped mass is the tail of ``mode="tail"``). Their
+``teacher_sampled_logprobs`` are chunk log-probabilities on the chunks' last positions (0 elsewhere); the
+per-token signal is in ``advantages`` (``pipeline.stages.batching``).
 """
 
 from __future__ import annotations
@@ -171,5 +177,11 @@ def _put_teacher(
     at: slice | torch.Tensor = held if isinstance(held, slice) else torch.tensor(held, dtype=torch.int64)
     sampled[i, :m] = p.dense_sampled(m + 1)
     distill[i, held] = mask[i, held]  # where the position trains and the payload holds its row
+    lps = p.topk_logprobs.numpy()
+    if p.topk_mapped is not None:  # cross-tokenizer: empty slots are padding, rows without a mapped slot no signal
+        mapped = p.topk_mapped.numpy().astype(np.bool_)
+        ids = np.where(mapped, ids, 0)
+        lps = np.where(mapped, lps.astype(np.float32), np.float32(PAD_LOGPROB))
+        distill[i, held] *= mapped.any(axis=1)
     top_ids[i, at, : p.k] = torch.tensor(ids).to(top_ids.dtype)  # copies: the wire arrays are read-only views
-    top_lps[i, at, : p.k] = torch.tensor(p.topk_logprobs.numpy()).to(top_lps.dtype)
+    top_lps[i, at, : p.k] = torch.tensor(lps).to(top_lps.dtype)

@@ -10,6 +10,10 @@ logits-aligned row ``r = p - 1``:
     adv[p] = kl_coef * (teacher_sampled_logprob[p - 1] - student_logprob[p])      (reverse-KL signal)
            + reward_weight * (score - mean(scores of the group)) / (std + eps)     (task reward)
 
+A payload from a teacher of another tokenizer (``TeacherPayload.chunk_last``) gives the reverse-KL term per aligned
+chunk: every trained token of chunk ``c`` gets ``kl_coef * (q_c - s_c)``, the teacher's minus the sampler's
+log-probability of the chunk (``pipeline.stages.crosschunks``; 0 in a chunk with no teacher signal).
+
 Groups without a teacher payload (dropped or skipped) get the task-reward term only (``keep``) or are
 left out (``drop``). ``batch_kl`` is the mean of ``student - teacher`` sampled-token logprob over the
 trainable positions of the batch: the Monte-Carlo estimate of KL(student || teacher) that the KL
@@ -28,13 +32,19 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from pipeline.stages import crosschunks
 from schemas import Array, BatchManifest, DistillStatus, GroupHeader, GroupRef, ScoredGroup, TrainBatch
 from schemas.arrays import FLOAT32
+from schemas.messages import BASE_SCHEMA
 
 log = structlog.get_logger("distillq.feeder")
 #: Batch stats per teacher pool: ``teacher.<pool>.groups``, ``.tokens`` and ``.reverse_kl`` (that pool's groups'
 #: mean ``student - teacher`` sampled-token logprob, when they carry teacher data).
 POOL_STAT = "teacher"
+#: Batch stats of groups scored by a teacher of another tokenizer: ``cross.groups``, ``cross.aligned_share`` (the
+#: share of their trained tokens in aligned chunks with teacher signal) and ``cross.topk_mapped_mass`` (the mean,
+#: over their trained rows with a mapped top-k slot, of the teacher probability mass those slots carry).
+CROSS_STAT = "cross"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +175,7 @@ def batch_advantages(
     lengths: list[int] = []
     rewards: list[float] = []
     zeroed: list[int] = []
+    cross: list[tuple[int, npt.NDArray[np.float32]]] = []  # (sequence, chunk reverse-KL advantages)
     for g in groups:
         seqs = g.group.sequences
         if reward_weight and len(seqs) > 1:
@@ -174,7 +185,11 @@ def batch_advantages(
             rewards += [0.0] * len(seqs)
         for i, s in enumerate(seqs):
             n = s.length
-            if g.teacher is not None and s.logprobs is not None and n > 1:
+            if g.teacher is not None and g.teacher[i].chunk_last is not None:  # per chunk, added below
+                cross.append((len(lengths), crosschunks.sequence_advantages(s, g.teacher[i], kl_coef)))
+                teacher.append(bytes(4 * n))
+                student.append(teacher[-1])
+            elif g.teacher is not None and s.logprobs is not None and n > 1:
                 t = g.teacher[i]  # a payload of the trained rows only is spread over its L - 1 rows
                 teacher += [_ZERO4, t.sampled_logprobs.data if t.rows is None else t.dense_sampled(n).data]
                 student.append(s.logprobs.data)
@@ -193,6 +208,8 @@ def batch_advantages(
     adv *= np.frombuffer(b"".join(masks), np.uint8)
     ends = np.cumsum(lengths).tolist()
     out = [adv[e - n : e] for e, n in zip(ends, lengths, strict=True)]
+    for k, extra in cross:
+        out[k] += extra  # already 0 outside the loss mask
     for k in zeroed:
         out[k][:] = 0.0
     return out
@@ -213,8 +230,12 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
     staleness: Counter[int] = Counter()
     without = 0
     per_pool: dict[str, list[float]] = {}  # pool -> [groups, tokens, kl_sum, kl_tokens]
+    cross = [0.0, 0.0, 0.0, 0.0, 0.0]  # groups, trained tokens, aligned tokens, top-k rows, mapped mass
     for p in items:
         h = p.header
+        if h.cross_tokens:
+            cross = [cross[0] + 1, cross[1] + h.cross_tokens, cross[2] + h.cross_aligned,
+                     cross[3] + h.cross_topk_rows, cross[4] + h.cross_topk_mass]
         pool = per_pool.setdefault(h.pool, [0.0, 0.0, 0.0, 0.0])
         pool[0], pool[1], pool[2], pool[3] = pool[0] + 1, pool[1] + h.tokens, pool[2] + h.kl_sum, pool[3] + h.kl_tokens
         kl_sum, kl_n = kl_sum + h.kl_sum, kl_n + h.kl_tokens
@@ -237,6 +258,10 @@ def build_batch(items: list[Pending], kl_coef: float, policy_version: int, cfg: 
         stats[f"{POOL_STAT}.{name}.groups"], stats[f"{POOL_STAT}.{name}.tokens"] = groups, pool_tokens
         if pool_kl_n:
             stats[f"{POOL_STAT}.{name}.reverse_kl"] = pool_kl / pool_kl_n
+    if cross[0]:
+        stats[f"{CROSS_STAT}.groups"] = cross[0]
+        stats[f"{CROSS_STAT}.aligned_share"] = cross[2] / cross[1]
+        stats[f"{CROSS_STAT}.topk_mapped_mass"] = cross[4] / cross[3] if cross[3] else 0.0
     stats["max_staleness"] = float(-1 if cfg.max_staleness is None else cfg.max_staleness)  # the learner's bound
     refs = [GroupRef(p.group_id, p.key, p.entry_id, p.tokens) for p in items]
     manifest = BatchManifest(
@@ -253,4 +278,5 @@ def materialize(manifest: BatchManifest, groups: list[ScoredGroup]) -> TrainBatc
     return TrainBatch(
         batch_id=manifest.batch_id, groups=groups, advantages=advantages, kl_coef=manifest.kl_coef,
         policy_version=manifest.policy_version, created_at=manifest.created_at, stats=manifest.stats,
+        schema=max([BASE_SCHEMA, *(g.schema for g in groups)]),  # 3 when it holds cross-tokenizer payloads
     )

@@ -36,7 +36,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -57,10 +57,22 @@ from pipeline.teacher.base import (
     plan_chunks,
     result_problem,
 )
+from pipeline.teacher.crosstok import RoundTripError
 from schemas.build import make_teacher, no_teacher_reason, trained_rows
-from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, Sequence, TeacherPayload
+from schemas.messages import (
+    BASE_SCHEMA,
+    SCHEMA_VERSION,
+    DistillStatus,
+    RolloutGroup,
+    ScoredGroup,
+    Sequence,
+    TeacherPayload,
+)
 from schemas.pools import DEFAULT_POOL
 from schemas.validate import DecodeError, InvalidLogprobs, Limits, validate_teacher_part
+
+if TYPE_CHECKING:
+    from pipeline.teacher.crossscore import CrossPlan, CrossStats, CrossTokenizer
 
 log = structlog.get_logger(__name__)
 #: Backend calls the ``slow`` figure looks back over.
@@ -122,6 +134,12 @@ class ScoringStats:
     timeout_s: float | None = None
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     latency_hooks: list[Callable[[float], None]] = field(default_factory=list)
+    # A teacher of another tokenizer (``Scorer(cross=...)``), over its OK groups: trained tokens, those in aligned
+    # chunks with teacher signal, and the teacher's top-k probability mass at the rows looked up, and what mapped.
+    cross_trained: int = 0
+    cross_aligned: int = 0
+    cross_topk_mass: float = 0.0
+    cross_mapped_mass: float = 0.0
 
     def observe_latency(self, seconds: float) -> None:
         self.latencies_s.append(seconds)
@@ -141,6 +159,7 @@ class _Item:
     group: int
     seq: int
     req: ScoreRequest
+    plan: CrossPlan | None = None  # a teacher of another tokenizer: ``req`` is over its ids
 
 
 def _cut(items: list[_Item], max_batch_tokens: int) -> list[list[_Item]]:
@@ -200,8 +219,12 @@ class Scorer:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.time,
         pool: str = DEFAULT_POOL,
+        cross: CrossTokenizer | None = None,
     ) -> None:
         self.backend = backend
+        #: a teacher of another tokenizer: each sequence is converted to the teacher's ids and its answer mapped
+        #: back into student positions (``pipeline.teacher.crossscore``)
+        self.cross = cross
         self.pool = pool  # recorded on every group it scores (``ScoredGroup.pool``)
         self.config = config or ScoringConfig()
         self.limits = limits or Limits(max_k=max(256, self.config.default_k))
@@ -247,19 +270,50 @@ class Scorer:
                 if drop is not None:
                     done[g] = (DistillStatus.DROPPED, drop)
                     continue
+                if self.cross is not None:
+                    try:
+                        items += self._cross_items(g, group, ks[g])
+                    except RoundTripError as e:  # the reason starts with ``cross_tokenizer:``
+                        done[g] = (DistillStatus.DROPPED, str(e))
+                    continue
                 all_rows = self.config.rows == "all"
                 items += [_Item(g, s, _request(seq, ks[g], all_rows)) for s, seq in enumerate(group.sequences)]
         results = await self._score_items(items, done)
         payloads: dict[int, list[TeacherPayload]] = {}
+        cross: dict[int, CrossStats] = {}
         fp16 = self.config.fp16_topk
         for it in items:
             if it.group in done:
                 continue
             res = results[(it.group, it.seq)]
+            if it.plan is not None:
+                payload, st = it.plan.payload(res, fp16=fp16)
+                payloads.setdefault(it.group, []).append(payload)
+                cross[it.group] = cross[it.group] + st if it.group in cross else st
+                continue
             payloads.setdefault(it.group, []).append(
                 make_teacher(res.topk_ids, res.topk_logprobs, res.sampled_logprobs, fp16=fp16, rows=it.req.rows)
             )
-        return [self._finish(g, group, ks[g], done.get(g), payloads.get(g)) for g, group in enumerate(groups)]
+        return [self._finish(g, group, ks[g], done.get(g), payloads.get(g), cross.get(g))
+                for g, group in enumerate(groups)]
+
+    def _cross_items(self, g: int, group: RolloutGroup, k: int) -> list[_Item]:
+        """The group's sequences converted to the teacher's tokenizer (``RoundTripError`` names the sequence)."""
+        assert self.cross is not None
+        out = []
+        for s, seq in enumerate(group.sequences):
+            try:
+                plan = self.cross.convert(seq.tokens.numpy(), seq.loss_mask.numpy(), k)
+            except RoundTripError as e:
+                raise RoundTripError(f"{e} (sequence {s})") from None
+            out.append(_Item(g, s, plan.request, plan))
+        return out
+
+    @property
+    def identity(self) -> str:
+        """The backend's identity, with the teacher's tokenizer when it differs from the student's."""
+        ident = self.backend.identity
+        return f"{ident} tokenizer={self.cross.name}" if self.cross is not None else ident
 
     def _finish(
         self,
@@ -268,14 +322,15 @@ class Scorer:
         k: int,
         outcome: tuple[DistillStatus, str] | None,
         payload: list[TeacherPayload] | None,
+        cross: CrossStats | None = None,
     ) -> ScoredGroup:
         now = self._clock()
-        ident = self.backend.identity
+        ident = self.identity
         if outcome is None:
             assert payload is not None and len(payload) == len(group.sequences)
             scored = ScoredGroup(
                 group=group, status=DistillStatus.OK, teacher=payload, k=k, teacher_id=ident, scored_at=now,
-                pool=self.pool,
+                pool=self.pool, schema=SCHEMA_VERSION if self.cross is not None else BASE_SCHEMA,
             )
             try:  # what the feeder will check of the teacher half: a bad payload is dropped, not emitted
                 validate_teacher_part(scored, self.limits)
@@ -287,6 +342,12 @@ class Scorer:
                 self.stats.sequences_scored += len(payload)
                 self.stats.tokens_scored += group.num_tokens
                 self.stats.rows_scored += sum(p.topk_ids.shape[0] for p in payload)
+                if cross is not None:
+                    st = self.stats
+                    st.cross_trained += cross.trained
+                    st.cross_aligned += cross.aligned
+                    st.cross_topk_mass += cross.topk_mass
+                    st.cross_mapped_mass += cross.mapped_mass
                 return scored
         status, reason = outcome
         self.stats.count(status, reason)

@@ -26,16 +26,25 @@ class TeacherStage:
         ...), tokens scored, ``clamped_k`` (groups whose k was clamped to the teacher's cap), ``unhealthy`` (read
         by ``--check`` and ``distillq stats``) while the backend's latest calls all failed for a reason other than
         a timeout (connection refused, an error status, an engine gone), and ``slow`` while any of the last
-        ``SLOW_WINDOW`` calls timed out (the backend took the request but answered too late; not unhealthy)."""
+        ``SLOW_WINDOW`` calls timed out (the backend took the request but answered too late; not unhealthy). A teacher
+        of another tokenizer adds ``cross_aligned_share`` (the share of trained tokens in aligned chunks with teacher
+        signal) and ``cross_topk_mapped_share`` (the share of the teacher's top-k probability mass, at the rows
+        looked up, that mapped to student ids)."""
         st = self.scorer.stats
         unhealthy = (f"teacher backend failing: last {st.failing_calls} call(s) failed, latest: "
                      f"{st.last_backend_error}") if st.failing_calls else None
         slow_calls = sum(st.timed_out_calls)
         slow = (f"teacher slow: {slow_calls} of the last {len(st.timed_out_calls)} calls timed out after "
                 f"{st.timeout_s:g} s") if slow_calls and st.timeout_s is not None else None
-        return {"pool": self.scorer.pool, "model": self.scorer.backend.identity, "status": dict(st.groups),
-                "drops": dict(st.reasons), "tokens_scored": st.tokens_scored,
-                "clamped_k": st.clamped_groups, "unhealthy": unhealthy, "slow": slow}
+        out: dict[str, object] = {
+            "pool": self.scorer.pool, "model": self.scorer.identity, "status": dict(st.groups),
+            "drops": dict(st.reasons), "tokens_scored": st.tokens_scored, "clamped_k": st.clamped_groups,
+            "unhealthy": unhealthy, "slow": slow}
+        if self.scorer.cross is not None:  # a teacher of another tokenizer: how much of its signal reaches the student
+            out["cross_aligned_share"] = round(st.cross_aligned / st.cross_trained, 4) if st.cross_trained else None
+            out["cross_topk_mapped_share"] = (round(st.cross_mapped_mass / st.cross_topk_mass, 4)
+                                              if st.cross_topk_mass else None)
+        return out
 
     async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
         t0 = time.perf_counter()

@@ -36,6 +36,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -233,6 +234,40 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
         i = end
     return Retokenized(np.asarray(t_ids, dtype=np.int32), s_len, np.asarray(t_len, dtype=np.int64), parts,
                        np.asarray(t_skip, dtype=np.int64))
+
+
+def retokenize_sequence(student_ids: Sequence[int], loss_mask: Sequence[int] | npt.NDArray[np.generic],
+                        student: VocabBytes, teacher: Any, teacher_vocab: VocabBytes) -> Retokenized:
+    """``retokenize`` over a whole sequence (prompt, completions, later turns): the ids are also cut at every
+    ``loss_mask`` transition, so each trained span starts and ends on a boundary of both tokenizations and no
+    aligned chunk straddles trained and untrained tokens. Each run of equal mask is retokenized on its own
+    (its text segments encoded apart) and the runs are concatenated."""
+    ids = [int(t) for t in student_ids]
+    mask = np.asarray(loss_mask).astype(np.bool_)
+    if mask.shape != (len(ids),):
+        raise ValueError(f"loss_mask has shape {mask.shape}, expected ({len(ids)},)")
+    cuts = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), len(ids)] if ids else [0]
+    t_ids: list[npt.NDArray[np.int32]] = []
+    s_len: list[npt.NDArray[np.int64]] = []
+    t_len: list[npt.NDArray[np.int64]] = []
+    t_skip: list[npt.NDArray[np.int64]] = []
+    parts: list[tuple[tuple[int, int], tuple[int, int], bool]] = []
+    t_off = 0
+    for a, b in pairwise(cuts):
+        r = retokenize(ids[a:b], student, teacher, teacher_vocab)
+        t_ids.append(r.teacher_ids)
+        s_len.append(r.student_len)
+        t_len.append(r.teacher_len)
+        t_skip.append(r.teacher_skip)
+        parts += [((a + s0, a + s1), (t_off + t0, t_off + t1), is_text)
+                  for (s0, s1), (t0, t1), is_text in r.parts]
+        t_off += len(r.teacher_ids)
+
+    def cat(xs: list[Any], dtype: Any) -> Any:
+        return np.concatenate(xs).astype(dtype, copy=False) if xs else np.zeros(0, dtype)
+
+    return Retokenized(cat(t_ids, np.int32), cat(s_len, np.int64), cat(t_len, np.int64), parts,
+                       cat(t_skip, np.int64))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,80 @@
+"""`distillq worker teacher --cross-tokenizer` end to end on real Redis: student groups (the tiny tokenizer's ids,
+multi-turn, an untrained tool turn) scored by a tiny hf teacher of another tokenizer, batched by the feeder, and
+delivered to the learner client; the batch reaches ``to_torch`` with finite advantages and a distill mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from pipeline.cli.main import main
+from pipeline.demo.tinymodels import TinyModels, build_model, ensure_tiny_models
+from pipeline.learner.client import Learner
+from pipeline.learner.torch_batch import to_torch
+from pipeline.transport.keys import Keys
+from schemas import DistillStatus
+from schemas.messages import SCHEMA_VERSION
+from tests.unit.test_crossscore import conversation, teacher_tokenizer
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyModels, Path]:
+    from transformers import AutoTokenizer
+
+    tiny = ensure_tiny_models()
+    teacher = tmp_path_factory.mktemp("cross-teacher")
+    teacher_tokenizer(teacher)  # the model's folder holds its tokenizer: --model is also the teacher's tokenizer
+    build_model(teacher, "teacher", len(AutoTokenizer.from_pretrained(str(teacher))), seed=1, size=(32, 2, 2, 64))
+    return tiny, teacher
+
+
+def atropos_line(gid: str, tokens: list[list[int]], masks: list[list[int]]) -> str:
+    return json.dumps({
+        "group_id": gid, "tokens": tokens, "scores": [1.0] * len(tokens),
+        "masks": [[t if m else -100 for t, m in zip(ts, ms, strict=True)]
+                  for ts, ms in zip(tokens, masks, strict=True)],
+        "inference_logprobs": [[-0.7 if m else 1.0 for m in ms] for ms in masks]})
+
+
+@pytest.mark.timeout(300)
+def test_cross_tokenizer_teacher_worker_feeds_a_learner(tmp_path: Path, redis_url: str, keys: Keys,
+                                                        models: tuple[TinyModels, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    tiny, teacher = models
+    student = AutoTokenizer.from_pretrained(str(tiny.tokenizer))
+    plain, mask, _ = conversation(student)
+    special, smask, _ = conversation(student, tool_in_answer=True)
+    broken, bmask = list(plain), list(mask)
+    broken[-2] = next(i for i in range(len(student)) if student.convert_ids_to_tokens(i) == "Ã")  # half of "é"
+    f = tmp_path / "groups.jsonl"
+    f.write_text("\n".join([atropos_line("multi", [plain, special], [mask, smask]),
+                            atropos_line("broken", [broken], [bmask])]) + "\n")
+    common = ["--redis-url", redis_url, "--namespace", keys.namespace]
+    assert main(["push", str(f), *common]) == 0
+    assert main(["worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer",
+                 str(tiny.tokenizer), "--cross-tokenizer", "--top-k", "5", "--burst", *common]) == 0
+    assert main(["worker", "feeder", "--burst", "--max-wait", "0", *common]) == 0
+    with Learner(redis_url, namespace=keys.namespace) as learner:
+        lb = learner.next_batch(10)
+        assert lb is not None
+        groups = {g.group_id: g for g in lb.batch.groups}
+        ok, dropped = groups["multi"], groups["broken"]
+        assert ok.status is DistillStatus.OK and ok.schema == SCHEMA_VERSION and "tokenizer=" in ok.teacher_id
+        assert all(t.cross for t in ok.teacher or ())
+        assert dropped.status is DistillStatus.DROPPED and (dropped.reason or "").startswith("cross_tokenizer: ")
+        assert lb.batch.stats is not None and lb.batch.stats["cross.groups"] == 1
+        tb = to_torch(lb.batch)
+        adv = tb.advantages.numpy()
+        assert np.isfinite(adv).all() and np.isfinite(tb.teacher_topk_logprobs.numpy()).all()
+        multi = [i for i, g in enumerate(tb.group_index.tolist()) if lb.batch.groups[g].group_id == "multi"]
+        assert (adv[multi] != 0).any() and tb.distill_mask[multi].sum() > 0
+        assert (tb.distill_mask <= tb.loss_mask).all()
+        learner.ack(lb)
