@@ -76,6 +76,25 @@ def train_cross_teacher(cache: Path | None = None, progress: Callable[[int, floa
     return train_teacher(ensure_cross_models(cache), progress=progress)
 
 
+#: What the student is taught first, briefly (a few English sentences, never arithmetic): it writes text, as a real
+#: student does. A teacher of another tokenizer scores text only: a completion that is not UTF-8 (an untrained
+#: student samples single bytes above 127 in most completions) drops its group with a ``cross_tokenizer:`` reason.
+TEXT_TURNS = [("Say something.", s) for s in (
+    "The quick brown fox jumps over the lazy dog.", "Hello world!", "Tool output: 42", "A cat sat on the mat.",
+    "Good morning.", "It is a sunny day.", "Thank you very much.", "See you later.")]
+TEXT_STEPS = 80
+
+
+def train_text_student(tiny: TinyModels, progress: Callable[[int, float], None] | None = None) -> Path:
+    """The tiny student after ``TEXT_STEPS`` steps on ``TEXT_TURNS`` (cached next to the tiny models); its folder."""
+    from pipeline.demo.pretrain import train_teacher
+
+    key = hashlib.sha256(json.dumps(TEXT_TURNS).encode()).hexdigest()[:8]
+    student = TinyModels(tiny.root, tiny.tokenizer, tiny.student, tiny.student)
+    return train_teacher(student, steps=TEXT_STEPS, batch=32, problems=TEXT_TURNS, name=f"student-text-{key}",
+                         progress=progress)
+
+
 def teacher_spec(teacher: Path, student: Path, top_k: int) -> ProcSpec:
     """The teacher worker, scoring its own tokenization of the student's text."""
     return ProcSpec("teacher", distillq_argv(
@@ -201,11 +220,11 @@ def heldout_text_kl(student: Path, teacher: Path, *, n: int = HELDOUT_PROMPTS, s
 
 
 def aligned_share(history: Sequence[dict[str, float]]) -> float | None:
-    """The share of trained tokens in aligned chunks with teacher signal over the run, where the learner's records
-    carry the batches' ``aligned_tokens`` (``None`` where they do not)."""
-    rows = [r for r in history if "aligned_tokens" in r and r.get("tokens", 0) > 0]
+    """The share of trained tokens in aligned chunks with teacher signal over the run: the batches'
+    ``cross.aligned_share`` weighted by their tokens, where the learner's records carry it (``None`` where not)."""
+    rows = [r for r in history if "cross.aligned_share" in r and r.get("tokens", 0) > 0]
     tokens = sum(r["tokens"] for r in rows)
-    return sum(r["aligned_tokens"] for r in rows) / tokens if tokens else None
+    return sum(r["cross.aligned_share"] * r["tokens"] for r in rows) / tokens if tokens else None
 
 
 def summary(start: TextKL, end: TextKL, student_tok: Path, teacher_tok: Path) -> dict[str, Any]:
@@ -239,6 +258,6 @@ def plot(history: Sequence[dict[str, float]], start: TextKL, end: TextKL, path: 
     return save(fig, ax, path)
 
 
-__all__ = ["TEACHER_VOCAB_SIZE", "UNIT", "Side", "TextKL", "aligned_share", "ensure_cross_models",
-           "heldout_questions", "heldout_text_kl", "plot", "sequence_kl", "summary", "teacher_spec",
-           "text_reverse_kl", "train_cross_teacher", "vocab_summary"]
+__all__ = ["TEACHER_VOCAB_SIZE", "TEXT_STEPS", "TEXT_TURNS", "UNIT", "Side", "TextKL", "aligned_share",
+           "ensure_cross_models", "heldout_questions", "heldout_text_kl", "plot", "sequence_kl", "summary",
+           "teacher_spec", "text_reverse_kl", "train_cross_teacher", "train_text_student", "vocab_summary"]

@@ -353,6 +353,8 @@ def _record(step: int, fig: StepFigures, batch: TrainBatch, version: int, step_s
         "groups": stats.get("groups", 0.0), "policy_version": float(version),
         "batch_policy_version": float(batch.policy_version), "staleness_max": float(max(lags, default=0)),
         "step_s": step_s,
+        # groups scored by a teacher of another tokenizer: cross.groups, cross.aligned_share, cross.topk_mapped_mass
+        **{k: float(v) for k, v in stats.items() if k.startswith("cross.")},
     }
 
 

@@ -98,5 +98,5 @@ def test_the_mean_over_held_out_prompts_per_completion_and_per_byte(sides: tuple
 
 def test_aligned_share_where_the_records_carry_it() -> None:
     assert aligned_share([{"step": 1.0, "tokens": 10.0}]) is None
-    assert aligned_share([{"step": 1.0, "tokens": 10.0, "aligned_tokens": 8.0},
-                          {"step": 2.0, "tokens": 30.0, "aligned_tokens": 30.0}]) == pytest.approx(38 / 40)
+    assert aligned_share([{"step": 1.0, "tokens": 10.0, "cross.aligned_share": 0.8},
+                          {"step": 2.0, "tokens": 30.0, "cross.aligned_share": 1.0}]) == pytest.approx(38 / 40)

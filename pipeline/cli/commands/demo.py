@@ -183,6 +183,18 @@ def each_teacher(summary: dict[str, object], student: Path, pools: dict[str, Pat
     return teachers.plot(rows, out / "reverse_kl.png")
 
 
+def text_student(tiny: TinyModels, console: Console) -> TinyModels:
+    """``demo --cross-tokenizer``: the tiny models with the student that writes text (cached)."""
+    from dataclasses import replace
+
+    from pipeline.demo.crosstok_demo import train_text_student
+
+    with console.status("teaching the student to write text (cached)...") as status:
+        student = train_text_student(tiny, progress=lambda s, loss: status.update(
+            f"teaching the student to write text: step {s + 1}, loss {loss:.3f}"))
+    return replace(tiny, student=student)
+
+
 def heldout_on_text(student: Path, teacher: Path, console: Console) -> TextKL:
     """``demo --cross-tokenizer``: the text-level held-out reverse KL of the student in ``student`` to ``teacher``."""
     from pipeline.demo.crosstok_demo import heldout_text_kl
@@ -287,6 +299,8 @@ def main(args: argparse.Namespace) -> int:
         with console.status("building tiny models (cached after the first run)..."):
             tiny = ensure_tiny_models()
         teacher, pools = pretrained(tiny, args.teachers, console, cross=args.cross_tokenizer)
+        if args.cross_tokenizer:
+            tiny = text_student(tiny, console)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: "
                       + (", ".join(f"teacher {p} {d}" for p, d in pools.items()) if pools else f"teacher {teacher}")
                       + f", student {tiny.student}")
