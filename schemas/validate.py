@@ -7,7 +7,10 @@ Two levels:
 * values (``Limits.check_values``, on by default): logprobs finite, teacher logprobs in
   ``(Limits.logprob_floor, Limits.logprob_tolerance]`` (``teacher_logprob_problem``), ids non-negative and
   below the vocabulary, masks 0/1, and the teacher position convention spot-checked on a spread of rows (the
-  sampled token's logprob agrees with its top-k entry, rows are sorted). Single-pass reductions.
+  sampled token's logprob agrees with its top-k entry, rows are sorted). Single-pass reductions. A cross-tokenizer
+  payload (``TeacherPayload.chunk_last``/``topk_mapped``, see ``schemas.messages``) skips the spot check, which does
+  not hold for chunk sums and mapped slots, and gets its own: ``chunk_last`` in {0, 1, 2} and ending every trained
+  span, ``sampled_logprobs`` 0.0 off chunk ends, ``topk_mapped`` 0/1 with the mapped slots first and sorted.
 
 Teacher logprobs: a genuine one is at most 0 and, at temperature 1 (teachers score raw logits), a few tens
 to about -100 at the very least likely token of a 151,936-token vocabulary (float32 or bfloat16 logits of a

@@ -9,6 +9,7 @@ import time
 from typing import Any, Protocol
 
 from pipeline.config import StreamSettings
+from pipeline.stages.crosschunks import cross_shares
 from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
 from schemas import (
@@ -46,6 +47,10 @@ def summarize_message(msg: Message) -> dict[str, Any]:
         out = summarize_message(msg.group)
         out.update(type="scored", status=msg.status.value, reason=msg.reason, k=msg.k, teacher_id=msg.teacher_id,
                    teacher={"pool": msg.pool, "model": msg.teacher_id, "k": msg.k})
+        if msg.teacher and msg.teacher[0].cross:  # a teacher of another tokenizer: how much of its signal maps
+            trained, aligned, rows, mass = cross_shares(msg.group.sequences, msg.teacher)
+            out["cross"] = {"aligned_share": round(aligned / trained, 4) if trained else None,
+                            "topk_mapped_mass": round(mass / rows, 4) if rows else None}
         return out
     if isinstance(msg, BatchManifest):
         return {
@@ -119,6 +124,9 @@ def one_line(summary: dict[str, Any]) -> str:
             line += f" teacher={summary['teacher']['pool']}:{summary['teacher']['model']}"
         if summary.get("reason"):
             line += f" reason={summary['reason']}"
+        if summary.get("cross"):
+            line += (f" aligned={summary['cross']['aligned_share']}"
+                     f" topk_mapped_mass={summary['cross']['topk_mapped_mass']}")
     return line
 
 

@@ -12,6 +12,9 @@ tokenizers differ uses it in three steps:
    teacher's). A segment whose bytes are not UTF-8, or that the teacher's tokenizer does not give back byte for
    byte, fails the round trip (``RoundTripError``: the group's payload is dropped with the reason
    ``cross_tokenizer: ...``).
+   ``retokenize_sequence`` does it for a whole sequence (prompt, completions, later turns), also cutting at every
+   ``loss_mask`` transition so that no chunk straddles trained and untrained tokens (the teacher worker's
+   ``--cross-tokenizer``, ``pipeline.teacher.crossscore``).
 3. ``align(...)``: the two tokenizations' byte boundaries; every boundary both share closes an **aligned chunk**
    (a run of student tokens covering exactly the bytes of a run of teacher tokens). ``chunk_logprobs`` sums the
    teacher's token logprobs per chunk: the sum over a completion's chunks is the teacher's log-likelihood of the

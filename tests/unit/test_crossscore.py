@@ -368,3 +368,37 @@ def test_without_the_flag_a_mismatched_pair_is_refused_naming_both_sizes(
     assert f"teacher {len(teacher_tok.get_vocab())} tokens" in str(info.value)
     assert f"student {len(student.get_vocab())} tokens" in str(info.value)
     assert 0 < cross.mapped_share() < 1 and cross.bos_id == teacher_tok.bos_token_id
+
+
+def test_tail_shows_the_teacher_tokenizer_and_the_shares_of_a_cross_group(
+        tokenizers: tuple[Any, Any, Path, Path], cross: CrossTokenizer) -> None:
+    from pipeline.cli.summaries import one_line, summarize_message
+
+    student, teacher_tok, _, _ = tokenizers
+    (g,) = score(cross, BigramTeacher(len(teacher_tok)), [group_of(student)])
+    summary = summarize_message(g)
+    shares = summary["cross"]
+    h = header_of(g)
+    assert shares["aligned_share"] == round(h.cross_aligned / h.cross_tokens, 4) and 0 < shares["aligned_share"] <= 1
+    assert 0 < shares["topk_mapped_mass"] <= 1
+    line = one_line({**summary, "entry_id": "1-0", "bytes": 0})
+    assert "tokenizer=teacher" in line and f"aligned={shares['aligned_share']}" in line
+
+
+def test_the_worker_flag_needs_both_tokenizers_and_the_trained_rows(
+        tokenizers: tuple[Any, Any, Path, Path]) -> None:
+    import argparse
+
+    from pipeline.teacher.base import TeacherConfigError
+    from workers.teacher import add_arguments, cross_tokenizer
+
+    _, _, s_path, t_path = tokenizers
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--cross-tokenizer", "--tokenizer", str(t_path), "--student-tokenizer", str(s_path)])
+    assert cross_tokenizer(args).bos_id is not None
+    with pytest.raises(TeacherConfigError, match="--rows all"):
+        cross_tokenizer(p.parse_args(["--cross-tokenizer", "--tokenizer", str(t_path), "--student-tokenizer",
+                                      str(s_path), "--rows", "all"]))
+    with pytest.raises(TeacherConfigError, match="--student-tokenizer"):
+        cross_tokenizer(p.parse_args(["--cross-tokenizer", "--tokenizer", str(t_path)]))
