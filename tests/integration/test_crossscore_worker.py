@@ -77,4 +77,15 @@ def test_cross_tokenizer_teacher_worker_feeds_a_learner(tmp_path: Path, redis_ur
         multi = [i for i, g in enumerate(tb.group_index.tolist()) if lb.batch.groups[g].group_id == "multi"]
         assert (adv[multi] != 0).any() and tb.distill_mask[multi].sum() > 0
         assert (tb.distill_mask <= tb.loss_mask).all()
+        # the example learner trains on the batch unchanged: PG on the advantages, top-k KD over distill_mask
+        import torch
+
+        from pipeline.demo.learner import LearnerConfig, train_step
+        from pipeline.models.weights import load_causal_lm
+
+        student_model = load_causal_lm(tiny.student)
+        opt = torch.optim.SGD(student_model.parameters(), lr=1e-3)
+        fig = train_step(student_model, opt, lb.batch, LearnerConfig(student=str(tiny.student),
+                                                                     weights_dir=str(tmp_path / "w")))
+        assert np.isfinite([fig.loss, fig.pg, fig.kd]).all() and fig.kd > 0
         learner.ack(lb)

@@ -402,3 +402,20 @@ def test_the_worker_flag_needs_both_tokenizers_and_the_trained_rows(
                                       str(s_path), "--rows", "all"]))
     with pytest.raises(TeacherConfigError, match="--student-tokenizer"):
         cross_tokenizer(p.parse_args(["--cross-tokenizer", "--tokenizer", str(t_path)]))
+
+
+def test_the_header_of_a_cross_group_round_trips_and_a_bad_mass_is_refused(
+        tokenizers: tuple[Any, Any, Path, Path], cross: CrossTokenizer) -> None:
+    import msgspec
+
+    from pipeline.transport.claimcheck import decode_header, encode_header
+
+    student, teacher_tok, _, _ = tokenizers
+    (g,) = score(cross, BigramTeacher(len(teacher_tok)), [group_of(student)])
+    h = decode_header(encode_header(g))
+    want = header_of(g)
+    assert replace(h, created_at=0.0) == replace(want, created_at=0.0) and h.schema == SCHEMA_VERSION
+    assert h.cross_tokens > 0 and h.cross_topk_mass > 0
+    for mass in (float("nan"), -0.1, h.cross_topk_rows + 1.0):
+        with pytest.raises(DecodeError, match="cross_topk_mass"):
+            decode_header(msgspec.msgpack.encode(replace(h, cross_topk_mass=mass)))
