@@ -15,7 +15,8 @@ Where both families use the same markup (ChatML for SmolLM2 and Qwen2) it is the
 
 Per trained aligned chunk (``crosstok.align``): the sum of its teacher tokens' sampled logprobs on its last
 student row (``chunk_last`` 1), or no signal for a special token the teacher has no counterpart for
-(``chunk_last`` 2). At a trained row whose token starts on a boundary both tokenizations share, the teacher's
+(``chunk_last`` 2). At a trained row whose token starts on a boundary both tokenizations share (and whose teacher
+token is not one that carries a space a SentencePiece-style teacher put before its segment), the teacher's
 row predicting that teacher token, its top-k mapped to student ids by equal bytes (mapped entries first, in the
 teacher's order; ``topk_mapped`` marks them); other rows' slots are empty (id 0, ``EMPTY_LOGPROB`` or the row's
 lowest mapped logprob if lower, so a row stays sorted).
@@ -217,6 +218,10 @@ def convert(tokens: npt.NDArray[Any], loss_mask: npt.NDArray[Any], k: int, cross
     chunk_last[j] = np.where(has_teacher, LAST, NO_SIGNAL)
     last_chunk[j] = trained_idx
     starts = a.boundary_starts(n)[rows.astype(np.int64) + 1]
+    if starts.shape[0] and r.teacher_skip.shape[0]:
+        # a teacher token carrying a space SentencePiece put before its segment: the teacher's row predicts bytes
+        # the student's text does not have there, so no top-k from it
+        starts = np.where((starts >= 0) & (r.teacher_skip[np.maximum(starts, 0)] > 0), -1, starts)
     topk_at = np.full(rows.shape[0], -1, np.int64)
     at = starts >= 0
     topk_at[at] = np.searchsorted(req_rows, starts[at] + offset - 1)

@@ -24,7 +24,7 @@ from pipeline.teacher.crossscore import LAST, NO_SIGNAL, CrossTokenizer
 from pipeline.teacher.vocab import VocabMismatchError, check_same_vocab
 from pipeline.transport.claimcheck import header_of
 from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup, decode, encode
-from schemas.arrays import UINT8, Array
+from schemas.arrays import FLOAT16, UINT8, Array
 from schemas.build import make_sequence
 from schemas.messages import BASE_SCHEMA, SCHEMA_VERSION, TeacherPayload
 from schemas.validate import DecodeError, validate_teacher_part
@@ -419,3 +419,42 @@ def test_the_header_of_a_cross_group_round_trips_and_a_bad_mass_is_refused(
     for mass in (float("nan"), -0.1, h.cross_topk_rows + 1.0):
         with pytest.raises(DecodeError, match="cross_topk_mass"):
             decode_header(msgspec.msgpack.encode(replace(h, cross_topk_mass=mass)))
+
+
+def test_float16_top_k_and_teacher_ids_beyond_its_tokenizer(
+        tokenizers: tuple[Any, Any, Path, Path], cross: CrossTokenizer) -> None:
+    """A model whose vocabulary exceeds its tokenizer's (as Qwen's does): ids past the table never map."""
+    student, teacher_tok, _, _ = tokenizers
+    teacher = BigramTeacher(len(teacher_tok) + 300, seed=3)
+    teacher.logp[:, len(teacher_tok):] += 6.0  # the padded ids dominate every top-k
+    teacher.logp -= np.log(np.exp(teacher.logp).sum(axis=1, keepdims=True))
+    scorer = Scorer(teacher, ScoringConfig(default_k=K, fp16_topk=True), cross=cross)
+    (g,) = asyncio.run(scorer.score_groups([group_of(student)]))
+    assert g.status is DistillStatus.OK, g.reason
+    validate_teacher_part(g, Limits(vocab_size=len(cross.student)))
+    t = g.teacher[0]  # type: ignore[index]
+    assert t.topk_logprobs.dtype == FLOAT16
+    mapped = t.topk_mapped.numpy().astype(bool)  # type: ignore[union-attr]
+    ids = t.topk_ids.numpy()
+    assert (ids[mapped] < len(cross.student)).all() and (ids[~mapped] == 0).all()
+    # the padded ids took most slots: fewer mapped slots than with the plain teacher, and the share reflects it
+    (plain,) = score(cross, BigramTeacher(len(teacher_tok), seed=3), [group_of(student)])
+    assert mapped.sum() < plain.teacher[0].topk_mapped.numpy().sum()  # type: ignore[index, union-attr]
+    assert scorer.stats.cross_mapped_mass < 0.5 * scorer.stats.cross_topk_mass
+
+
+def test_a_sentencepiece_teacher_gives_no_top_k_where_its_token_carries_the_space_it_put_first(
+        tokenizers: tuple[Any, Any, Path, Path], tmp_path: Path) -> None:
+    from pipeline.teacher.crosstok import retokenize_sequence
+    from tests.unit.test_crosstok import sentencepiece_tokenizer
+
+    student, _, s_path, _ = tokenizers
+    sp = sentencepiece_tokenizer(tmp_path / "sp")
+    pair = CrossTokenizer.of(sp, student, "sp")
+    toks, mask, _ = conversation(student)
+    plan = pair.convert(np.array(toks), np.array(mask), K)
+    r = retokenize_sequence(toks, mask, pair.student, sp, pair.teacher_vocab)
+    skipped = set((np.flatnonzero(r.teacher_skip > 0) + plan.offset - 1).tolist())  # rows predicting such tokens
+    looked_up = set(plan.request.rows[plan.topk_at[plan.topk_at >= 0]].tolist())  # type: ignore[index]
+    assert skipped and looked_up and not (skipped & looked_up)
+    assert int((plan.chunk_last == LAST).sum()) > 0
