@@ -448,7 +448,7 @@ def test_a_sentencepiece_teacher_gives_no_top_k_where_its_token_carries_the_spac
     from pipeline.teacher.crosstok import retokenize_sequence
     from tests.unit.test_crosstok import sentencepiece_tokenizer
 
-    student, _, s_path, _ = tokenizers
+    student = tokenizers[0]
     sp = sentencepiece_tokenizer(tmp_path / "sp")
     pair = CrossTokenizer.of(sp, student, "sp")
     toks, mask, _ = conversation(student)
