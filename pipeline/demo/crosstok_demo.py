@@ -1,12 +1,16 @@
-"""``distillq demo --cross-tokenizer``: the tiny student distilled from a tiny teacher of another tokenizer.
+"""``distillq demo --cross-tokenizer``: a tiny student distilled from a tiny teacher of another tokenizer.
 
-The teacher's tokenizer is a second byte-level BPE trained on the same arithmetic corpus with another vocabulary
-size (``TEACHER_VOCAB_SIZE`` ids against the student's 416, so other merges: ``68`` is one student token and two
-teacher tokens ``6``, ``8``) and the same special tokens and chat template, so the chat markup maps by content. The
-teacher model (the tiny teacher's shape on that vocabulary) is pretrained on the task like the demo's usual teacher
-(``pretrain.train_teacher``), cached under ``.cache/tiny/crosstok-<hash>``. The teacher worker runs with
-``--cross-tokenizer``: it scores its own tokenization of each completion's text and ships the signal in the
-student's positions (aligned chunks, ``pipeline.teacher.crosstok``).
+Both tokenizers are byte-level BPEs trained in well under a second on the demo's arithmetic corpus, with the same
+special tokens and chat template (so the chat markup maps by content) and other merges: the teacher's has all 256
+bytes and ``TEACHER_VOCAB_SIZE`` ids (``68`` is two teacher tokens, ``6`` ``8``), the student's the corpus's
+characters and every merge the corpus has (208 ids; ``68`` is one token). The student's alphabet is ASCII because a
+teacher of another tokenizer scores text: an untrained student on all 256 bytes samples bytes above 127 in most of
+its completions, which are not UTF-8, and the teacher worker drops such a group (``cross_tokenizer: ...``) with no
+signal that would teach the student to stop. The models are the tiny teacher's and student's shapes on those
+vocabularies, the teacher pretrained on the task like the demo's usual one (``pretrain.train_teacher``), the student
+untrained, cached under ``.cache/tiny/crosstok-<hash>``. The teacher worker runs with ``--cross-tokenizer``: it
+scores its own tokenization of each sequence's text and ships the signal in the student's positions (aligned
+chunks, ``pipeline.teacher.crossscore``).
 
 The two models' tokens differ, so the held-out reverse KL is measured on text. For each held-out prompt the student
 samples a completion; the figure of that sequence is the student's log-likelihood of its sample minus the teacher's
@@ -14,13 +18,14 @@ log-likelihood of the same text: the teacher scores its own tokenization of the 
 template over the same turn) and of the completion's text (``retokenize``), and its log-likelihood of exactly the
 completion's bytes is the sum of its aligned chunks' log-probabilities (``align``, ``chunk_logprobs``). Averaged over
 the prompts this is a Monte Carlo estimate of the sequence-level KL(student || teacher), in nats per completion
-(``per_sequence``); ``per_byte`` divides the same sum by the completions' text bytes (one byte per character of this
-ASCII task; the end-of-sequence token is markup with no bytes, its log-probabilities count in the numerator).
+(``per_sequence``, ``report.json``'s ``heldout_reverse_kl_*``); ``per_byte`` divides the same sum by the completions'
+text bytes (one byte per character of this ASCII task; the end-of-sequence token is markup with no bytes, its
+log-probabilities count in the numerator).
 
-A completion that is not UTF-8 text (an untrained student samples single bytes above 127) has no text for the
-teacher's tokenizer to encode. It is still scored, on the teacher's tokens of each student token's bytes (the
-teacher's BPE merges applied to each piece apart): a tokenization of the same bytes, though not the one the teacher's
-tokenizer would give; such completions are counted (``byte_fallback``).
+``sequence_kl`` takes any student: one whose completion is not UTF-8 text (a student on all 256 bytes) is still
+scored, on the teacher's tokens of each student token's bytes (the teacher's BPE merges applied to each piece
+apart): a tokenization of the same bytes, though not the one the teacher's tokenizer would give; such completions
+are counted (``byte_fallback``).
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from pipeline.cli.supervisor import ProcSpec, distillq_argv
 from pipeline.demo.plots import new_axes, save
 from pipeline.demo.tinymodels import DEFAULT_CACHE, SIZES, TinyModels, arithmetic_problem, build_model, build_tokenizer
 
-#: The teacher's vocabulary: fewer merges than the student's 416 ids (the corpus runs out of pairs there).
+#: The teacher's vocabulary: all 256 bytes and fewer merges than the corpus has pairs for (384 ids).
 TEACHER_VOCAB_SIZE = 384
+#: The student's: the corpus's characters and every merge the corpus has (208 ids of the 512 asked for).
+STUDENT_VOCAB_SIZE = 512
 #: Held-out prompts for the start and end reverse KL, and tokens the student samples for each.
 HELDOUT_PROMPTS = 96
 HELDOUT_MAX_NEW = 8
@@ -47,24 +54,29 @@ UNIT = "nats per completion (text level: student log-likelihood of its sample mi
 
 
 def _key(seed: int) -> str:
-    spec = json.dumps({"v": 1, "vocab": TEACHER_VOCAB_SIZE, "size": SIZES["teacher"], "seed": seed}, sort_keys=True)
+    spec = json.dumps({"v": 2, "teacher_vocab": TEACHER_VOCAB_SIZE, "student_vocab": STUDENT_VOCAB_SIZE,
+                       "sizes": SIZES, "seed": seed}, sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()[:12]
 
 
 def ensure_cross_models(cache: Path | None = None, seed: int = 0) -> TinyModels:
-    """The teacher's tokenizer and its untrained teacher (cached): a ``TinyModels`` whose ``teacher`` and ``student``
-    are that one model (``pretrain.train_teacher`` trains ``teacher``)."""
+    """The pair's tokenizers and untrained models (cached): ``teacher`` on the teacher's tokenizer (``tokenizer``),
+    ``student`` on its own ASCII one; each model folder carries its tokenizer. ``pretrain.train_teacher`` trains
+    ``teacher``."""
     root = (cache or DEFAULT_CACHE) / f"crosstok-{_key(seed)}"
-    tm = TinyModels(root, root / "tokenizer", root / "teacher", root / "teacher")
+    tm = TinyModels(root, root / "tokenizer", root / "teacher", root / "student")
     if (root / "DONE").exists():
         return tm
     from transformers import AutoTokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     build_tokenizer(tm.tokenizer, TEACHER_VOCAB_SIZE)
-    tok = AutoTokenizer.from_pretrained(str(tm.tokenizer))
-    build_model(tm.teacher, "teacher", len(tok), seed + 10)
-    tok.save_pretrained(str(tm.teacher))
+    build_tokenizer(root / "student-tokenizer", STUDENT_VOCAB_SIZE, all_bytes=False)
+    for i, (name, path, tok_dir) in enumerate((("teacher", tm.teacher, tm.tokenizer),
+                                               ("student", tm.student, root / "student-tokenizer"))):
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        build_model(path, name, len(tok), seed + 10 + i)
+        tok.save_pretrained(str(path))
     (root / "DONE").write_text("ok\n")
     return tm
 
@@ -74,25 +86,6 @@ def train_cross_teacher(cache: Path | None = None, progress: Callable[[int, floa
     from pipeline.demo.pretrain import train_teacher  # torch: only where a model is trained
 
     return train_teacher(ensure_cross_models(cache), progress=progress)
-
-
-#: What the student is taught first, briefly (a few English sentences, never arithmetic): it writes text, as a real
-#: student does. A teacher of another tokenizer scores text only: a completion that is not UTF-8 (an untrained
-#: student samples single bytes above 127 in most completions) drops its group with a ``cross_tokenizer:`` reason.
-TEXT_TURNS = [("Say something.", s) for s in (
-    "The quick brown fox jumps over the lazy dog.", "Hello world!", "Tool output: 42", "A cat sat on the mat.",
-    "Good morning.", "It is a sunny day.", "Thank you very much.", "See you later.")]
-TEXT_STEPS = 80
-
-
-def train_text_student(tiny: TinyModels, progress: Callable[[int, float], None] | None = None) -> Path:
-    """The tiny student after ``TEXT_STEPS`` steps on ``TEXT_TURNS`` (cached next to the tiny models); its folder."""
-    from pipeline.demo.pretrain import train_teacher
-
-    key = hashlib.sha256(json.dumps(TEXT_TURNS).encode()).hexdigest()[:8]
-    student = TinyModels(tiny.root, tiny.tokenizer, tiny.student, tiny.student)
-    return train_teacher(student, steps=TEXT_STEPS, batch=32, problems=TEXT_TURNS, name=f"student-text-{key}",
-                         progress=progress)
 
 
 def teacher_spec(teacher: Path, student: Path, top_k: int) -> ProcSpec:
@@ -219,12 +212,21 @@ def heldout_text_kl(student: Path, teacher: Path, *, n: int = HELDOUT_PROMPTS, s
     return text_reverse_kl(Side.load(student), Side.load(teacher), heldout_questions(n), seed=seed)
 
 
-def aligned_share(history: Sequence[dict[str, float]]) -> float | None:
-    """The share of trained tokens in aligned chunks with teacher signal over the run: the batches'
-    ``cross.aligned_share`` weighted by their tokens, where the learner's records carry it (``None`` where not)."""
+def cross_stats(history: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Over the run, from the batches' ``cross.*`` stats where the learner's records carry them (empty where not),
+    weighted by the batches' tokens: ``aligned_token_share``, the share of trained tokens in aligned chunks with
+    teacher signal, and ``topk_mapped_mass``, the teacher probability mass the mapped top-k slots carry (mean over
+    the trained rows that have one)."""
     rows = [r for r in history if "cross.aligned_share" in r and r.get("tokens", 0) > 0]
     tokens = sum(r["tokens"] for r in rows)
-    return sum(r["cross.aligned_share"] * r["tokens"] for r in rows) / tokens if tokens else None
+    if not tokens:
+        return {}
+    out = {"aligned_token_share": sum(r["cross.aligned_share"] * r["tokens"] for r in rows) / tokens}
+    mass = [r for r in rows if "cross.topk_mapped_mass" in r]
+    if mass:
+        out["topk_mapped_mass"] = sum(r["cross.topk_mapped_mass"] * r["tokens"] for r in mass) / sum(
+            r["tokens"] for r in mass)
+    return {k: round(v, 4) for k, v in out.items()}
 
 
 def summary(start: TextKL, end: TextKL, student_tok: Path, teacher_tok: Path) -> dict[str, Any]:
@@ -258,6 +260,6 @@ def plot(history: Sequence[dict[str, float]], start: TextKL, end: TextKL, path: 
     return save(fig, ax, path)
 
 
-__all__ = ["TEACHER_VOCAB_SIZE", "TEXT_STEPS", "TEXT_TURNS", "UNIT", "Side", "TextKL", "aligned_share",
+__all__ = ["STUDENT_VOCAB_SIZE", "TEACHER_VOCAB_SIZE", "UNIT", "Side", "TextKL", "cross_stats",
            "ensure_cross_models", "heldout_questions", "heldout_text_kl", "plot", "sequence_kl", "summary",
-           "teacher_spec", "text_reverse_kl", "train_cross_teacher", "train_text_student", "vocab_summary"]
+           "teacher_spec", "text_reverse_kl", "train_cross_teacher", "vocab_summary"]

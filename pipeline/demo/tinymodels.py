@@ -88,9 +88,10 @@ def _key(seed: int) -> str:
     return hashlib.sha256(spec.encode()).hexdigest()[:12]
 
 
-def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
+def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, *, all_bytes: bool = True) -> None:
     """The byte-level BPE tokenizer of ``vocab_size`` ids (the special tokens and the chat markup of ``SPECIALS`` and
-    ``CHAT_TEMPLATE`` whatever the size), trained on ``corpus()``, saved as a transformers fast tokenizer."""
+    ``CHAT_TEMPLATE`` whatever the size), trained on ``corpus()``, saved as a transformers fast tokenizer.
+    ``all_bytes`` False: the alphabet is the corpus's characters only (ASCII), not all 256 bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -100,7 +101,7 @@ def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if all_bytes else [],
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)

@@ -12,7 +12,7 @@ import pytest
 from pipeline.demo.crosstok_demo import (
     TEACHER_VOCAB_SIZE,
     Side,
-    aligned_share,
+    cross_stats,
     ensure_cross_models,
     heldout_questions,
     sequence_kl,
@@ -27,10 +27,16 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def sides() -> tuple[Side, Side, Side]:
-    """The tiny student, the tiny teacher on the student's tokenizer, and the teacher of a tokenizer of its own
-    (untrained: the figures are compared, not their size)."""
+    """The tiny student (all 256 bytes), the tiny teacher on the student's tokenizer, and the teacher of a tokenizer
+    of its own (untrained: the figures are compared, not their size)."""
     tiny = ensure_tiny_models()
     return Side.load(tiny.student), Side.load(tiny.teacher), Side.load(ensure_cross_models().teacher)
+
+
+@pytest.fixture(scope="module")
+def cross_student() -> Side:
+    """The demo's student of its own ASCII tokenizer (untrained)."""
+    return Side.load(ensure_cross_models().student)
 
 
 def ids(side: Side, text: str) -> list[int]:
@@ -38,13 +44,18 @@ def ids(side: Side, text: str) -> list[int]:
         [int(side.tokenizer.eos_token_id)]
 
 
-def test_the_teachers_tokenizer_has_its_own_vocabulary_and_the_same_markup(sides: tuple[Side, Side, Side]) -> None:
-    student, _, cross = sides
-    assert len(cross.tokenizer) == TEACHER_VOCAB_SIZE != len(student.tokenizer)
+def test_each_tokenizer_has_its_own_vocabulary_and_the_same_markup(sides: tuple[Side, Side, Side],
+                                                                    cross_student: Side) -> None:
+    _, _, cross = sides
+    student = cross_student
+    assert len(cross.tokenizer) == TEACHER_VOCAB_SIZE and len(student.tokenizer) < TEACHER_VOCAB_SIZE
     assert sorted(cross.vocab.special.values()) == sorted(student.vocab.special.values())
-    assert ids(student, "68") != ids(cross, "68")  # other merges: "68" is one student token, two teacher tokens
-    assert cross.tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
-                                               add_generation_prompt=True) == "<|user|>1+2=<|assistant|>"
+    assert len(ids(student, "68")) == 2 and len(ids(cross, "68")) == 3  # other merges: "68" is one token, or two
+    # every id of the student is ASCII text or markup: whatever it samples, the teacher's tokenizer can encode
+    assert all(p is None or p.isascii() for p in student.vocab.pieces)
+    for side in (student, cross):
+        assert side.tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+                                                  add_generation_prompt=True) == "<|user|>1+2=<|assistant|>"
 
 
 def test_on_one_tokenizer_it_is_the_token_level_figure(sides: tuple[Side, Side, Side]) -> None:
@@ -59,17 +70,19 @@ def test_on_one_tokenizer_it_is_the_token_level_figure(sides: tuple[Side, Side, 
         assert (nbytes, fallback) == (len(answer), False)
 
 
-def test_across_tokenizers_the_teacher_scores_its_own_tokens_of_the_text(sides: tuple[Side, Side, Side]) -> None:
-    student, _, cross = sides
-    question, answer = "31+37=", "68"
-    completion = ids(student, answer)
-    own = ids(cross, answer)
-    assert len(own) == len(completion) + 1
-    s_lp = token_logprobs(student.model, chat_ids(student.tokenizer, question), completion).sum()
-    t_lp = token_logprobs(cross.model, chat_ids(cross.tokenizer, question), own).sum()
-    kl, nbytes, fallback = sequence_kl(student, cross, question, completion)
-    assert kl == pytest.approx(float(s_lp - t_lp), abs=1e-4)
-    assert (nbytes, fallback) == (2, False)
+def test_across_tokenizers_the_teacher_scores_its_own_tokens_of_the_text(sides: tuple[Side, Side, Side],
+                                                                          cross_student: Side) -> None:
+    _, _, cross = sides
+    for student in (cross_student, sides[0]):
+        question, answer = "31+37=", "68"
+        completion = ids(student, answer)
+        own = ids(cross, answer)
+        assert len(own) == len(completion) + 1
+        s_lp = token_logprobs(student.model, chat_ids(student.tokenizer, question), completion).sum()
+        t_lp = token_logprobs(cross.model, chat_ids(cross.tokenizer, question), own).sum()
+        kl, nbytes, fallback = sequence_kl(student, cross, question, completion)
+        assert kl == pytest.approx(float(s_lp - t_lp), abs=1e-4)
+        assert (nbytes, fallback) == (2, False)
 
 
 def test_a_completion_that_is_not_text_is_scored_on_the_byte_fallback(sides: tuple[Side, Side, Side]) -> None:
@@ -84,19 +97,22 @@ def test_a_completion_that_is_not_text_is_scored_on_the_byte_fallback(sides: tup
     assert kl == pytest.approx(float(s_lp - t_lp), abs=1e-4)
 
 
-def test_the_mean_over_held_out_prompts_per_completion_and_per_byte(sides: tuple[Side, Side, Side]) -> None:
-    student, _, cross = sides
+def test_the_mean_over_held_out_prompts_per_completion_and_per_byte(sides: tuple[Side, Side, Side],
+                                                                     cross_student: Side) -> None:
+    _, _, cross = sides
     questions = heldout_questions(12)
     assert all(is_heldout(*(int(x) for x in q[:-1].split("+"))) for q in questions)
-    a = text_reverse_kl(student, cross, questions, seed=3)
-    b = text_reverse_kl(student, cross, questions, seed=3)
+    a = text_reverse_kl(cross_student, cross, questions, seed=3)
+    b = text_reverse_kl(cross_student, cross, questions, seed=3)
     assert a == b  # common random numbers: the same samples for the same weights
-    assert a.sequences == 12 and a.text_bytes > 0 and 0 <= a.byte_fallback <= 12
+    assert a.sequences == 12 and a.text_bytes > 0 and a.byte_fallback == 0  # an ASCII student writes text
     assert a.per_byte == pytest.approx(a.per_sequence * a.sequences / a.text_bytes)
-    assert math.isfinite(a.per_sequence)
+    assert math.isfinite(a.per_sequence) and a.per_sequence > 0  # an untrained student, far from the teacher
+    assert text_reverse_kl(sides[0], cross, questions, seed=3).byte_fallback > 0  # one on all 256 bytes does not
 
 
-def test_aligned_share_where_the_records_carry_it() -> None:
-    assert aligned_share([{"step": 1.0, "tokens": 10.0}]) is None
-    assert aligned_share([{"step": 1.0, "tokens": 10.0, "cross.aligned_share": 0.8},
-                          {"step": 2.0, "tokens": 30.0, "cross.aligned_share": 1.0}]) == pytest.approx(38 / 40)
+def test_cross_stats_where_the_records_carry_them() -> None:
+    assert cross_stats([{"step": 1.0, "tokens": 10.0}]) == {}
+    got = cross_stats([{"step": 1.0, "tokens": 10.0, "cross.aligned_share": 0.8, "cross.topk_mapped_mass": 0.5},
+                       {"step": 2.0, "tokens": 30.0, "cross.aligned_share": 1.0, "cross.topk_mapped_mass": 0.9}])
+    assert got == {"aligned_token_share": pytest.approx(38 / 40), "topk_mapped_mass": pytest.approx(32 / 40)}

@@ -45,9 +45,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "learning from both; the report and the plot give the held-out reverse KL to each teacher "
                         "on its own task (docs/teacher-pools.md)")
     p.add_argument("--cross-tokenizer", action="store_true",
-                   help="a teacher of another tokenizer: a tiny teacher on a byte-level BPE of its own (384 ids, other "
-                        "merges, the same special tokens), its worker run with --cross-tokenizer; the report gives "
-                        "the held-out reverse KL on text, per completion and per byte (docs/learner.md)")
+                   help="a teacher of another tokenizer: a tiny teacher and student each on a byte-level BPE of its "
+                        "own (384 and 208 ids, other merges, the same special tokens), the teacher worker run with "
+                        "--cross-tokenizer; the report gives the held-out reverse KL on text, per completion and per "
+                        "byte (docs/learner.md)")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
                         "earlier run's are replaced")
@@ -183,16 +184,13 @@ def each_teacher(summary: dict[str, object], student: Path, pools: dict[str, Pat
     return teachers.plot(rows, out / "reverse_kl.png")
 
 
-def text_student(tiny: TinyModels, console: Console) -> TinyModels:
-    """``demo --cross-tokenizer``: the tiny models with the student that writes text (cached)."""
+def cross_pair(tiny: TinyModels) -> TinyModels:
+    """``demo --cross-tokenizer``: the tiny models with the student of its own ASCII tokenizer (cached)."""
     from dataclasses import replace
 
-    from pipeline.demo.crosstok_demo import train_text_student
+    from pipeline.demo.crosstok_demo import ensure_cross_models
 
-    with console.status("teaching the student to write text (cached)...") as status:
-        student = train_text_student(tiny, progress=lambda s, loss: status.update(
-            f"teaching the student to write text: step {s + 1}, loss {loss:.3f}"))
-    return replace(tiny, student=student)
+    return replace(tiny, student=ensure_cross_models().student)
 
 
 def heldout_on_text(student: Path, teacher: Path, console: Console) -> TextKL:
@@ -214,12 +212,13 @@ def cross_report(summary: dict[str, object], result: DemoResult, start: TextKL, 
     published = latest(out / "weights")
     end = heldout_on_text(published.path, teacher, console) if published is not None else start
     summary.update(crosstok_demo.summary(start, end, student, teacher))
-    share = crosstok_demo.aligned_share(result.history)
-    if share is not None:
-        summary["aligned_token_share"] = round(share, 4)
+    stats = crosstok_demo.cross_stats(result.history)
+    summary.update(stats)
     s, t = summary["student_tokenizer"], summary["teacher_tokenizer"]
     console.print(f"tokenizers: student {s['vocab_size']} ids, teacher {t['vocab_size']} ids"  # type: ignore[index]
-                  + (f"; {100 * share:.1f}% of trained tokens in aligned chunks" if share is not None else ""))
+                  + (f"; {100 * stats['aligned_token_share']:.1f}% of trained tokens in aligned chunks with teacher "
+                     "signal" if "aligned_token_share" in stats else "")
+                  + (f"; mapped top-k mass {stats['topk_mapped_mass']:.3f}" if "topk_mapped_mass" in stats else ""))
     console.print(f"held-out reverse KL(student || teacher) on text: {start.per_sequence:.3f} -> "
                   f"{end.per_sequence:.3f} nats per completion ({change(start.per_sequence, end.per_sequence)}); "
                   f"{start.per_byte:.3f} -> {end.per_byte:.3f} per byte; completions not UTF-8 text "
@@ -300,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
             tiny = ensure_tiny_models()
         teacher, pools = pretrained(tiny, args.teachers, console, cross=args.cross_tokenizer)
         if args.cross_tokenizer:
-            tiny = text_student(tiny, console)
+            tiny = cross_pair(tiny)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: "
                       + (", ".join(f"teacher {p} {d}" for p, d in pools.items()) if pools else f"teacher {teacher}")
                       + f", student {tiny.student}")
