@@ -37,6 +37,18 @@ TEACHER_GROUPS: Final = Counter("distillq_teacher_groups_total", "groups scored,
 TEACHER_DROPS: Final = Counter("distillq_teacher_drops_total", "distill payloads dropped, by reason", ["reason"])
 TEACHER_TOKENS: Final = Counter("distillq_teacher_tokens_total", "tokens scored by the teacher")
 TEACHER_LATENCY: Final = Histogram("distillq_teacher_call_seconds", "teacher backend call latency")
+TEACHER_CROSS_TOKENS: Final = Counter(
+    "distillq_teacher_cross_tokens_total",
+    "a teacher of another tokenizer: trained tokens of the groups it scored (kind=trained) and those in aligned "
+    "chunks with teacher signal (kind=aligned); rate(aligned) / rate(trained) is the aligned share",
+    ["pool", "kind"],
+)
+TEACHER_CROSS_TOPK_MASS: Final = Counter(
+    "distillq_teacher_cross_topk_mass_total",
+    "a teacher of another tokenizer: its top-k probability mass at the rows looked up (kind=total) and the part "
+    "that mapped to student ids (kind=mapped); rate(mapped) / rate(total) is the mapped share",
+    ["pool", "kind"],
+)
 POOL_GROUPS: Final = Counter("distillq_pool_groups_total", "groups scored, by teacher pool and status",
                              ["pool", "status"])
 POOL_TOKENS: Final = Counter("distillq_pool_tokens_total", "tokens scored, by teacher pool", ["pool"])

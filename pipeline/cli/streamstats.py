@@ -118,6 +118,11 @@ class WorkerStats:
     settings: dict[str, Any] = field(default_factory=dict)  # feeder: its effective batching settings
     clock_skew_s: float | None = None  # the worker's clock minus Redis's at its last beat (None: unknown)
     pool: str | None = None  # teacher: the pool it serves
+    # teacher of another tokenizer (``--cross-tokenizer``): the share of trained tokens in aligned chunks with teacher
+    # signal, and the share of the teacher's top-k probability mass that mapped to student ids (None: none scored yet)
+    cross_tokenizer: bool = False
+    cross_aligned_share: float | None = None
+    cross_topk_mapped_share: float | None = None
 
 
 @dataclass(slots=True)
@@ -240,7 +245,17 @@ def worker_of(b: Beat) -> WorkerStats:
         checkpoint=None if not info.get("checkpoint_not_loadable") else str(info["checkpoint_not_loadable"]),
         settings=dict(settings) if isinstance(settings, dict) else {},
         clock_skew_s=b.skew_s, pool=str(info["pool"]) if b.stage == "teacher" and info.get("pool") else None,
+        cross_tokenizer=b.stage == "teacher" and "cross_aligned_share" in info,
+        cross_aligned_share=_share(info.get("cross_aligned_share")),
+        cross_topk_mapped_share=_share(info.get("cross_topk_mapped_share")),
     )
+
+
+def _share(v: object) -> float | None:
+    """A share in [0, 1] from a heartbeat (None when absent, not a number or out of range)."""
+    if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+        return None
+    return float(v)
 
 
 def serves(w: WorkerStats, pool: str) -> bool:

@@ -48,7 +48,11 @@ class TeacherStage:
 
     async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
         t0 = time.perf_counter()
+        st = self.scorer.stats
+        before = (st.cross_trained, st.cross_aligned, st.cross_topk_mass, st.cross_mapped_mass)
         scored = await self.scorer.score_groups(list(msgs))
+        if self.scorer.cross is not None:
+            self._count_cross(before)
         out: list[Outcome] = []
         for s in scored:
             metrics.TEACHER_GROUPS.labels(s.status.value).inc()
@@ -64,3 +68,12 @@ class TeacherStage:
                 out.append(Emit(s))
         metrics.STAGE_LATENCY.labels("teacher_score").observe(time.perf_counter() - t0)
         return out
+
+    def _count_cross(self, before: tuple[int, int, float, float]) -> None:
+        """The cross-tokenizer figures of the groups just scored (``ScoringStats.cross_*`` since ``before``)."""
+        st, pool = self.scorer.stats, self.scorer.pool
+        trained, aligned, total, mapped = before
+        metrics.TEACHER_CROSS_TOKENS.labels(pool, "trained").inc(st.cross_trained - trained)
+        metrics.TEACHER_CROSS_TOKENS.labels(pool, "aligned").inc(st.cross_aligned - aligned)
+        metrics.TEACHER_CROSS_TOPK_MASS.labels(pool, "total").inc(max(st.cross_topk_mass - total, 0.0))
+        metrics.TEACHER_CROSS_TOPK_MASS.labels(pool, "mapped").inc(max(st.cross_mapped_mass - mapped, 0.0))

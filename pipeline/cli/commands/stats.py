@@ -22,7 +22,7 @@ from pipeline.cli.commands.common import (
     with_redis,
 )
 from pipeline.cli.pipelinestate import collect_all
-from pipeline.cli.streamstats import Snapshot, with_rates
+from pipeline.cli.streamstats import Snapshot, WorkerStats, with_rates
 from pipeline.config import add_redis_args
 from pipeline.transport.keys import STREAMS, Keys
 
@@ -91,14 +91,31 @@ def consumer_table(snap: Snapshot) -> Table | None:
     return t
 
 
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
+
+
+def cross_text(w: WorkerStats) -> str:
+    """A teacher of another tokenizer: its share of trained tokens in aligned chunks with teacher signal, and of
+    the teacher's top-k probability mass that mapped to student ids (``-`` before it scored any); else ``-``."""
+    if not w.cross_tokenizer:
+        return "-"
+    return f"aligned {_pct(w.cross_aligned_share)}, top-k mass mapped {_pct(w.cross_topk_mapped_share)}"
+
+
 def worker_table(snap: Snapshot) -> Table:
+    """One row per live worker; a ``cross-tokenizer`` column when a teacher scores a student of another
+    tokenizer."""
     t = Table(title=f"live workers: {len(snap.workers)}", title_justify="left")
-    for col in ("stage", "consumer", "host", "pid", "handled", "heartbeat age", "outcomes", "teacher drops"):
+    cross = any(w.cross_tokenizer for w in snap.workers)
+    cols = ("stage", "consumer", "host", "pid", "handled", "heartbeat age", "outcomes", "teacher drops",
+            *(("cross-tokenizer",) if cross else ()))
+    for col in cols:
         t.add_column(col, justify="right" if col in ("pid", "handled", "heartbeat age") else "left")
     for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
         stage = f"{w.stage} ({w.pool})" if w.pool and w.pool != "default" else w.stage  # a teacher's pool
         t.add_row(stage, w.consumer, w.host, str(w.pid), str(w.handled), secs(w.age_s), counts(w.outcomes),
-                  counts(w.drops) if w.stage == "teacher" else "-")
+                  counts(w.drops) if w.stage == "teacher" else "-", *((cross_text(w),) if cross else ()))
     return t
 
 
