@@ -8,6 +8,12 @@ top k, as vLLM's prompt logprobs do). Our teacher arrays are logits-aligned (row
 ``r + 1``), exactly ``k`` per row, sorted by logprob, and may hold only some rows (``TeacherPayload.rows``):
 an entry without a row is ``[]``.
 
+A group scored by a teacher of another tokenizer (``TeacherPayload.chunk_last``/``topk_mapped``) has chunk
+log-probabilities and mapped top-k slots, and the reference layout has no chunks: ``to_atropos`` writes an entry
+only where the teacher's view of the student token is per token (``_cross_entries``: the mapped slots with the
+actual token first, empty slots left out), marks the group's ``teacher`` record ``"cross_tokenizer": true``, and
+``rollout_from_atropos`` refuses the distill arrays of such a record.
+
 Values a client sends come back equal: whatever our wire cannot carry exactly (float64 values, masks
 other than -100/token id, per-sequence lists of another length, ``images``, ``env_id: null``) is kept
 verbatim in ``metadata["_atropos"]`` and written back from there by ``to_atropos``. ``to_atropos`` also
@@ -25,7 +31,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -56,9 +62,12 @@ from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPa
 from schemas.pools import pool_of, pool_problem
 from schemas.validate import DecodeError, Limits, validate
 
-__all__ = ["ATROPOS_KEYS", "DERIVED_PREFIX", "MASKED", "MASKED_LOGPROB", "STASH", "content_group_id",
+__all__ = ["ATROPOS_KEYS", "CROSS_KEY", "DERIVED_PREFIX", "MASKED", "MASKED_LOGPROB", "STASH", "content_group_id",
            "rollout_from_atropos", "rollout_group_from_atropos", "to_atropos"]
 
+#: In a scored group's ``teacher`` record: its teacher has another tokenizer than the student, so its distill
+#: entries are the per-token part of a chunk-level payload (``to_atropos``); such entries are not read back.
+CROSS_KEY: Final = "cross_tokenizer"
 #: The prefix of a group id derived from the group's content (``content_group_id``).
 DERIVED_PREFIX = "sha256-"
 
@@ -301,6 +310,11 @@ def _convert(
     group = _rollout(obj, gid, version, strict)
     if obj.get("distill_token_ids") is None and obj.get("distill_logprobs") is None:
         return group
+    record = obj.get("teacher")
+    if isinstance(record, dict) and record.get(CROSS_KEY):
+        raise DecodeError(f"teacher.{CROSS_KEY}", "a teacher of another tokenizer scored this group: its distill "
+                          "entries hold only the per-token part of its chunk-level signal and cannot be read back "
+                          "as a scored group; leave out distill_token_ids and distill_logprobs to send the rollout")
     return _top_k(obj, group, limits)
 
 
@@ -367,9 +381,16 @@ def _objs(values: list[Any], empty: Any) -> list[Any] | None:
 
 def _distill(scored: ScoredGroup, toks: list[npt.NDArray[np.generic]]) -> tuple[list[Any], list[Any]]:
     """Entries in the reference layout: ``[]`` at 0 and where a payload holds no row, else the actual token
-    first, then the rest of the top k by logprob (k + 1 items when the actual token is outside the top k)."""
-    all_ids, all_lps = [], []
+    first, then the rest of the top k by logprob (k + 1 items when the actual token is outside the top k); a
+    cross-tokenizer payload's as ``_cross_entries``."""
+    all_ids: list[Any] = []
+    all_lps: list[Any] = []
     for t, tok in zip(scored.teacher or [], toks, strict=True):
+        if t.cross:  # a teacher of another tokenizer: its per-token part only
+            c_ids, c_lps = _cross_entries(t, tok)
+            all_ids.append(c_ids)
+            all_lps.append(c_lps)
+            continue
         n, k = tok.shape[0], scored.k
         rows = t.row_index(n)
         ids, lps = t.topk_ids.numpy(), t.topk_logprobs.numpy().astype(np.float64)
@@ -390,6 +411,39 @@ def _distill(scored: ScoredGroup, toks: list[npt.NDArray[np.generic]]) -> tuple[
         all_ids.append(e_ids)
         all_lps.append(e_lps)
     return all_ids, all_lps
+
+
+#: ``chunk_last`` of a cross-tokenizer payload's row ending a chunk with teacher signal (``schemas.messages``).
+_CHUNK_LAST: Final = 1
+
+
+def _cross_entries(t: TeacherPayload, tok: npt.NDArray[np.generic]) -> tuple[list[Any], list[Any]]:
+    """A cross-tokenizer payload in the reference layout, one sequence: entries only where the teacher's view of
+    the next student token is per token. At a row with mapped top-k slots whose token is among them, the mapped
+    slots, the actual token first; at a row whose token is a chunk of its own with teacher signal, the actual token
+    with the chunk's logprob (the teacher's log-probability of that token's text) first, then the mapped slots.
+    Every other entry is ``[]``: empty slots are padding, and a chunk of several tokens has one logprob for all of
+    them, which is no token's."""
+    n = tok.shape[0]
+    assert t.chunk_last is not None and t.topk_mapped is not None  # a cross payload (validated together)
+    rows = t.row_index(n).tolist()
+    ids, lps = t.topk_ids.numpy(), t.topk_logprobs.numpy().astype(np.float64)
+    mapped = t.topk_mapped.numpy().astype(np.bool_)
+    last = t.chunk_last.numpy().tolist()
+    sampled = t.sampled_logprobs.numpy().astype(np.float64).tolist()
+    e_ids: list[Any] = [[] for _ in range(n)]
+    e_lps: list[Any] = [[] for _ in range(n)]
+    for j, r in enumerate(rows):
+        first = j == 0 or rows[j - 1] != r - 1 or last[j - 1] != 0  # token r + 1 starts its chunk
+        label = int(tok[r + 1])
+        m_ids, m_lps = ids[j][mapped[j]].tolist(), lps[j][mapped[j]].tolist()
+        if label in m_ids:
+            h = m_ids.index(label)
+            e_ids[r + 1] = [label, *m_ids[:h], *m_ids[h + 1 :]]
+            e_lps[r + 1] = [m_lps[h], *m_lps[:h], *m_lps[h + 1 :]]
+        elif first and last[j] == _CHUNK_LAST:
+            e_ids[r + 1], e_lps[r + 1] = [label, *m_ids], [sampled[j], *m_lps]
+    return e_ids, e_lps
 
 
 def to_atropos(msg: RolloutGroup | ScoredGroup) -> dict[str, Any]:
@@ -437,8 +491,11 @@ def to_atropos(msg: RolloutGroup | ScoredGroup) -> dict[str, Any]:
     }
     if scored is None:
         return out
+    teacher: dict[str, Any] = {"pool": scored.pool, "model": scored.teacher_id, "k": scored.k}
+    if scored.teacher and any(t.cross for t in scored.teacher):
+        teacher[CROSS_KEY] = True  # entries per token where the teacher's view is per token only (``_cross_entries``)
     out.update(distill_status=scored.status.value, distill_reason=scored.reason, teacher_id=scored.teacher_id,
-               scored_at=scored.scored_at, teacher={"pool": scored.pool, "model": scored.teacher_id, "k": scored.k})
+               scored_at=scored.scored_at, teacher=teacher)
     if scored.status is DistillStatus.OK and scored.teacher is not None:
         out["distill_token_ids"], out["distill_logprobs"] = _distill(scored, toks)
         out["distill_top_k"] = scored.k
