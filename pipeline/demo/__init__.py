@@ -1,5 +1,6 @@
 """The demo and what it is made of, apart from the library: ``distillq demo`` on the tiny pair (``tiny``), the real
-pair (``real``) and the vLLM student (``vllm_student``); the tiny models and their arithmetic task
+pair (``real``), the vLLM student (``vllm_student``), two teachers (``teachers``) and a teacher of another tokenizer
+(``crosstok_demo``); the tiny models and their arithmetic task
 (``tinymodels``, ``pretrain``); the real pair and its task set (``realpair``, ``realtasks``); task accuracy and
 answer log-likelihood (``taskeval``); and the example learner (``learner``: ``python -m pipeline.demo.learner``).
 

@@ -19,8 +19,8 @@ version above any published before the crash, so the samplers load them), and ac
 redelivered batch that the checkpoint already holds. Each step's figures go to ``--metrics-file`` (JSONL):
 the losses, the sampler-trainer KL of the batch's tokens and the share of them the PPO clip held, the seconds
 of each phase (``wait_s`` for the batch, ``forward_backward_s``, ``optimizer_s``, ``checkpoint_s``,
-``publish_s``, ``eval_s``), the batch's sampled reverse KL and, every ``eval_every`` steps, the exact reverse
-KL to the teacher on held-out prompts
+``publish_s``, ``eval_s``), the batch's sampled reverse KL (and its ``cross.*`` stats where a teacher of another
+tokenizer scored its groups) and, every ``eval_every`` steps, the exact reverse KL to the teacher on held-out prompts
 (the tiny arithmetic task's, or ``--heldout-file``'s: JSONL rows with ``messages``, the reverse KL on the first
 ``--eval-kl-prompts`` of them where given; where they carry ``accept`` answers, the student's task accuracy at
 the first and last step and the teacher's at the first, on all of them, as ``heldout_task_accuracy`` and

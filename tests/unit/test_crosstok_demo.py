@@ -116,3 +116,17 @@ def test_cross_stats_where_the_records_carry_them() -> None:
     got = cross_stats([{"step": 1.0, "tokens": 10.0, "cross.aligned_share": 0.8, "cross.topk_mapped_mass": 0.5},
                        {"step": 2.0, "tokens": 30.0, "cross.aligned_share": 1.0, "cross.topk_mapped_mass": 0.9}])
     assert got == {"aligned_token_share": pytest.approx(38 / 40), "topk_mapped_mass": pytest.approx(32 / 40)}
+
+
+@pytest.mark.parametrize(("extra", "named"), [({"real": True}, "--real"), ({"teachers": 2}, "--teachers 2")])
+def test_the_flag_is_refused_with_another_pair(extra: dict[str, object], named: str) -> None:
+    import argparse
+
+    from pipeline.cli.commands.demo import check_args
+    from pipeline.stages.exits import EXIT_USAGE, CliError
+
+    args = argparse.Namespace(**{"real": False, "teachers": 1, "cross_tokenizer": True, "weights_url": None, **extra})
+    with pytest.raises(CliError) as e:
+        check_args(args)
+    assert e.value.status == EXIT_USAGE and e.value.message.endswith(f"not with {named}")
+    check_args(argparse.Namespace(real=False, teachers=1, cross_tokenizer=True, weights_url=None))  # alone: fine
