@@ -175,27 +175,61 @@ def _segments(ids: list[int], mask: list[int], prompt_len: int, tok: TokenDecode
     ]
 
 
+#: A cross-tokenizer payload's ``chunk_last`` values as ``--decode`` names them (``schemas.messages``).
+CHUNK_KINDS = ("inside", "last", "no_signal")
+
+
+def _chunk_starts(rows: list[int], last: list[int]) -> list[int]:
+    """Per payload row of a cross-tokenizer payload, the position of the first token of its token's chunk (a
+    chunk starts after a row that ends one, or where the held rows skip, at an untrained token)."""
+    out: list[int] = []
+    for j, r in enumerate(rows):
+        starts = j == 0 or rows[j - 1] != r - 1 or last[j - 1] != 0
+        out.append(r + 1 if starts else out[-1])
+    return out
+
+
 def _positions(seq: Sequence, t: TeacherPayload, tok: TokenDecoder, top: int, all_positions: bool
                ) -> list[dict[str, Any]]:
-    """Teacher row r describes token r + 1: one row per (trainable) position p = r + 1."""
+    """Teacher row r describes token r + 1: one row per (trainable) position p = r + 1. A cross-tokenizer payload
+    (``t.cross``) has no per-token teacher logprob: its rows give the chunk (``chunk``: inside, last or no_signal;
+    ``chunk_start``), on a chunk's last token the teacher's log-probability of the whole chunk (``chunk_logprob``)
+    and the student's (``student_chunk_logprob``), and as top-k the mapped slots only (empty ones are padding)."""
     ids = seq.tokens.numpy().tolist()
     mask = seq.loss_mask.numpy().tolist()
     student = seq.logprobs.numpy().tolist() if seq.logprobs is not None else None
     top_ids, top_lps = t.topk_ids.numpy(), t.topk_logprobs.numpy()
     sampled = t.sampled_logprobs.numpy()
-    held = {int(r): j for j, r in enumerate(t.row_index(len(ids)).tolist())}  # row -> payload row
+    index = t.row_index(len(ids)).tolist()
+    held = {int(r): j for j, r in enumerate(index)}  # row -> payload row
+    mapped = t.topk_mapped.numpy().astype(bool) if t.topk_mapped is not None else None
+    last = t.chunk_last.numpy().tolist() if t.chunk_last is not None else None
+    starts = _chunk_starts(index, last) if last is not None else []
     rows = []
     for p in range(1, len(ids)):
         if not (all_positions or mask[p]):
             continue
         j = held.get(p - 1)  # None: the payload holds no row here (an untrained position)
-        rows.append({
+        slots = [] if j is None else list(zip(top_ids[j, :], top_lps[j, :], strict=True))
+        if j is not None and mapped is not None:
+            slots = [s for s, m in zip(slots, mapped[j].tolist(), strict=True) if m]
+        row: dict[str, Any] = {
             "pos": p, "token_id": ids[p], "token": _text(tok, [ids[p]]), "trainable": bool(mask[p]),
             "student_logprob": None if student is None else round(float(student[p]), 4),
-            "teacher_logprob": None if j is None else round(float(sampled[j]), 4),
-            "topk": [] if j is None else [{"id": int(i), "token": _text(tok, [int(i)]), "logprob": round(float(lp), 4)}
-                                          for i, lp in zip(top_ids[j, :top], top_lps[j, :top], strict=True)],
-        })
+            "teacher_logprob": None if j is None or last is not None else round(float(sampled[j]), 4),
+            "topk": [{"id": int(i), "token": _text(tok, [int(i)]), "logprob": round(float(lp), 4)}
+                     for i, lp in slots[:top]],
+        }
+        if last is not None:
+            row.update(chunk=None, chunk_start=None, chunk_logprob=None, student_chunk_logprob=None)
+            if j is not None:
+                kind = CHUNK_KINDS[last[j]]
+                row.update(chunk=kind, chunk_start=starts[j])
+                if kind == "last":
+                    row["chunk_logprob"] = round(float(sampled[j]), 4)
+                if kind != "inside" and student is not None:
+                    row["student_chunk_logprob"] = round(float(sum(student[starts[j] : p + 1])), 4)
+        rows.append(row)
     return rows
 
 
@@ -220,6 +254,7 @@ def decode_sequence(msg: Message, tok: TokenDecoder, seq: int = 0, *, top: int =
     }
     if teacher is not None:
         out["k"] = teacher.k
+        out["cross"] = teacher.cross  # a teacher of another tokenizer: chunks, mapped top-k slots
         out["positions"] = _positions(s, teacher, tok, top, all_positions)
     return out
 
@@ -242,10 +277,41 @@ def format_decoded(d: dict[str, Any]) -> list[str]:
     if "positions" not in d:
         return lines
     shown = max((len(row["topk"]) for row in d["positions"]), default=0)
+    if d.get("cross"):
+        return lines + _cross_lines(d, shown)
     lines.append(f"  {'pos':>5}  {'token':<14} {'train':<5} {'student':>8} {'teacher':>8}  "
                  f"teacher top-{shown} of {d['k']} (token logprob)")
     for row in d["positions"]:
         topk = "  ".join(f"{q(e['token'])} {e['logprob']:.3f}" for e in row["topk"])
         lines.append(f"  {row['pos']:>5}  {q(row['token']):<14} {'*' if row['trainable'] else '':<5} "
                      f"{_lp(row['student_logprob']):>8} {_lp(row['teacher_logprob']):>8}  {topk}")
+    return lines
+
+
+def _chunk_cell(row: dict[str, Any]) -> str:
+    """``12-14`` on a chunk's last token (``12-14 none`` without teacher signal), ``…`` inside one."""
+    if row["chunk"] is None:
+        return ""
+    if row["chunk"] == "inside":
+        return "…"
+    span = str(row["pos"]) if row["chunk_start"] == row["pos"] else f"{row['chunk_start']}-{row['pos']}"
+    return span + (" none" if row["chunk"] == "no_signal" else "")
+
+
+def _cross_lines(d: dict[str, Any], shown: int) -> list[str]:
+    """The position table of a cross-tokenizer payload: per chunk, the teacher's and the student's log-probability
+    of the whole chunk on its last token; the mapped top-k slots only."""
+    q = functools.partial(json.dumps, ensure_ascii=False)
+    lines = [
+        "  teacher of another tokenizer: one log-probability per chunk (positions A-B), the teacher's and the "
+        "student's, on its last token; top-k: the slots mapped to student ids",
+        f"  {'pos':>5}  {'token':<14} {'train':<5} {'student':>8} {'chunk':<12} {'s chunk':>8} {'t chunk':>8}  "
+        f"teacher top-{shown} mapped of {d['k']} (token logprob)",
+    ]
+    for row in d["positions"]:
+        topk = "  ".join(f"{q(e['token'])} {e['logprob']:.3f}" for e in row["topk"])
+        s_chunk = _lp(row["student_chunk_logprob"]) if row["chunk"] in ("last", "no_signal") else ""
+        t_chunk = _lp(row["chunk_logprob"]) if row["chunk"] in ("last", "no_signal") else ""
+        lines.append(f"  {row['pos']:>5}  {q(row['token']):<14} {'*' if row['trainable'] else '':<5} "
+                     f"{_lp(row['student_logprob']):>8} {_chunk_cell(row):<12} {s_chunk:>8} {t_chunk:>8}  {topk}")
     return lines
