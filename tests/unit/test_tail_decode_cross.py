@@ -12,8 +12,9 @@ from pipeline.cli.commands.tail import render
 from pipeline.cli.summaries import decode_sequence, format_decoded
 from pipeline.transport.producer import F_DATA, F_ID, F_TYPE
 from schemas import encode
+from schemas.atropos import CROSS_KEY
 from schemas.build import synthetic_rollout, synthetic_scored
-from tests.unit.test_atropos_cross import cross_group
+from tests.unit.test_atropos_cross import WANT_IDS, cross_group
 
 
 class Tok:
@@ -76,3 +77,12 @@ def test_the_tail_command_renders_a_cross_entry(as_json: bool) -> None:
         assert obj["decoded"]["positions"][4]["chunk_logprob"] == -3.0 and obj["cross"]["aligned_share"] == 0.8
     else:
         assert "aligned=0.8" in out and "7 " in out and '"<0>"' not in out
+
+
+def test_tail_format_atropos_writes_a_cross_entry_per_token_only() -> None:
+    args = argparse.Namespace(group_id=None, status=None, format="atropos", json=False, seq=0, top=5,
+                              all_positions=False)
+    fields = {F_TYPE: b"scored", F_ID: b"cross", F_DATA: encode(cross_group())}
+    obj = json.loads(render(args, "1-0", fields) or "{}")
+    assert obj["entry_id"] == "1-0" and obj["teacher"][CROSS_KEY] is True
+    assert obj["distill_token_ids"] == [WANT_IDS]
