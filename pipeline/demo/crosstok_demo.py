@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -248,11 +249,11 @@ def plot(history: Sequence[dict[str, float]], start: TextKL, end: TextKL, path: 
     if axes is None:
         return None
     fig, ax = axes
-    steps = [r for r in history if r.get("step", 0) > 0 and r.get("batch_reverse_kl") == r.get("batch_reverse_kl")]
+    steps = [r for r in history if not math.isnan(r.get("batch_reverse_kl", math.nan))]
     ax.plot([r["step"] for r in steps], [r["batch_reverse_kl"] for r in steps], lw=1, alpha=0.6,
             label="batch (sampled-token estimate, per token)")
-    last = max((r["step"] for r in history), default=1.0)
-    ax.plot([0, last], [start.per_byte, end.per_byte], "o-", lw=2,
+    first, last = (history[0]["step"], history[-1]["step"]) if history else (0.0, 1.0)
+    ax.plot([first, last], [start.per_byte, end.per_byte], "o-", lw=2,
             label=f"held-out, text level, per byte ({start.per_byte:.3f} -> {end.per_byte:.3f})")
     ax.set_xlabel("learner step")
     ax.set_ylabel("reverse KL(student || teacher), nats")

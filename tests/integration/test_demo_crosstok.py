@@ -29,6 +29,7 @@ def test_cross_tokenizer_demo_kl_on_text_at_least_halves(tmp_path: Path) -> None
     assert end <= start / 2
     # measured: 44.7 -> 0.58-0.69 per completion, 2.72 -> 0.30-0.35 per byte in four runs of the defaults
     assert report["heldout_reverse_kl_per_byte_end"] <= report["heldout_reverse_kl_per_byte_start"] / 2
+    assert (report["first_step"], report["last_step"]) == (0, 150)  # the demo's default steps, all of them
     student, teacher = report["student_tokenizer"], report["teacher_tokenizer"]
     assert student["vocab_size"] != teacher["vocab_size"] and student["name"] != teacher["name"]
     assert set(report["exit_codes"]) == {"rollout-0", "teacher", "feeder", "learner"}

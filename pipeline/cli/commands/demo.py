@@ -212,6 +212,8 @@ def cross_report(summary: dict[str, object], result: DemoResult, start: TextKL, 
     published = latest(out / "weights")
     end = heldout_on_text(published.path, teacher, console) if published is not None else start
     summary.update(crosstok_demo.summary(start, end, student, teacher))
+    if result.history:  # the steps the start and end figures span (a resumed run: from where it went on)
+        summary.update(first_step=result.first_step, last_step=int(result.history[-1]["step"]))
     stats = crosstok_demo.cross_stats(result.history)
     summary.update(stats)
     s, t = summary["student_tokenizer"], summary["teacher_tokenizer"]
