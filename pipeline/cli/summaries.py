@@ -9,7 +9,6 @@ import time
 from typing import Any, Protocol
 
 from pipeline.config import StreamSettings
-from pipeline.stages.crosschunks import cross_shares
 from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
 from schemas import (
@@ -24,6 +23,7 @@ from schemas import (
     TrainBatch,
     decode,
 )
+from schemas.crosschunks import cross_shares
 
 
 def _s(b: bytes | None) -> str:

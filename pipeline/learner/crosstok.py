@@ -9,7 +9,7 @@ ids (the unmapped mass goes to the tail bucket of ``losses.topk_forward_kl``, mo
   and ``s_c`` the sampler's log-probability of the chunk (the sum of its tokens' logprobs). The sum of ``s_c - q_c``
   over a sequence is the single-sample reverse KL of the whole completion, exactly; where every chunk is one token
   on both sides this is ``losses.reverse_kl_advantages``.
-  The feeder computes the same in numpy for the batch advantages (``pipeline.stages.crosschunks``; the two are
+  The feeder computes the same in numpy for the batch advantages (``schemas.crosschunks``; the two are
   held equal by tests/unit/test_crossscore.py).
 * The top-k forward KL is ``losses.topk_forward_kl`` on the mapped rows, as for a teacher of the same tokenizer.
 """

@@ -12,7 +12,7 @@ logits-aligned row ``r = p - 1``:
 
 A payload from a teacher of another tokenizer (``TeacherPayload.chunk_last``) gives the reverse-KL term per aligned
 chunk: every trained token of chunk ``c`` gets ``kl_coef * (q_c - s_c)``, the teacher's minus the sampler's
-log-probability of the chunk (``pipeline.stages.crosschunks``; 0 in a chunk with no teacher signal).
+log-probability of the chunk (``schemas.crosschunks``; 0 in a chunk with no teacher signal).
 
 Groups without a teacher payload (dropped or skipped) get the task-reward term only (``keep``) or are
 left out (``drop``). ``batch_kl`` is the mean of ``student - teacher`` sampled-token logprob over the
@@ -32,8 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from pipeline.stages import crosschunks
-from schemas import Array, BatchManifest, DistillStatus, GroupHeader, GroupRef, ScoredGroup, TrainBatch
+from schemas import Array, BatchManifest, DistillStatus, GroupHeader, GroupRef, ScoredGroup, TrainBatch, crosschunks
 from schemas.arrays import FLOAT32
 from schemas.messages import BASE_SCHEMA
 

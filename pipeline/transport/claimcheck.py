@@ -19,8 +19,8 @@ from typing import Final
 
 import msgspec
 
-from pipeline.stages.crosschunks import chunk_kl, cross_shares
 from schemas import DecodeError, DistillStatus, GroupHeader, Message, ScoredGroup
+from schemas.crosschunks import chunk_kl, cross_shares
 from schemas.messages import SCHEMA_VERSION
 from schemas.pools import pool_problem
 
@@ -41,7 +41,7 @@ def group_kl(g: ScoredGroup) -> tuple[float, int]:
 
     A cross-tokenizer payload (``TeacherPayload.chunk_last``): the sum over its aligned chunks with teacher signal
     of ``s_c - q_c`` (student minus teacher log-probability of the chunk) and the trained tokens in those chunks
-    (``pipeline.stages.crosschunks.chunk_kl``), so the per-token figure is the completion's reverse KL per token.
+    (``schemas.crosschunks.chunk_kl``), so the per-token figure is the completion's reverse KL per token.
     """
     if g.teacher is None:
         return 0.0, 0

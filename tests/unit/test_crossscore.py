@@ -16,14 +16,13 @@ from msgspec.structs import replace
 pytest.importorskip("transformers")
 
 from pipeline.demo.tinymodels import build_tokenizer, corpus
-from pipeline.stages import crosschunks
 from pipeline.stages.batching import BatchingConfig, Pending, build_batch, materialize
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreOutcome, ScoreRequest, ScoreResult
 from pipeline.teacher.crossscore import LAST, NO_SIGNAL, CrossTokenizer
 from pipeline.teacher.vocab import VocabMismatchError, check_same_vocab
 from pipeline.transport.claimcheck import header_of
-from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup, decode, encode
+from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup, crosschunks, decode, encode
 from schemas.arrays import FLOAT16, UINT8, Array
 from schemas.build import make_sequence
 from schemas.messages import BASE_SCHEMA, SCHEMA_VERSION, TeacherPayload
