@@ -22,10 +22,10 @@ the prompts this is a Monte Carlo estimate of the sequence-level KL(student || t
 text bytes (one byte per character of this ASCII task; the end-of-sequence token is markup with no bytes, its
 log-probabilities count in the numerator).
 
-``sequence_kl`` takes any student: one whose completion is not UTF-8 text (a student on all 256 bytes) is still
-scored, on the teacher's tokens of each student token's bytes (the teacher's BPE merges applied to each piece
-apart): a tokenization of the same bytes, though not the one the teacher's tokenizer would give; such completions
-are counted (``byte_fallback``).
+``sequence_kl`` takes any student: where a completion is not UTF-8 text (a student on all 256 bytes writing a byte
+that does not form a character) the teacher reads those bytes as its single-byte tokens (the library's byte
+fallback, ``pipeline.teacher.crosstok.retokenize``, as the teacher worker does): the log-likelihood of one
+tokenization of the bytes; such completions are counted (``byte_fallback``).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class TextKL:
     per_byte: float  # nats per byte of completion text
     sequences: int
     text_bytes: int
-    byte_fallback: int  # completions not UTF-8 text, scored on the teacher's tokens of each student token's bytes
+    byte_fallback: int  # completions not UTF-8 text, their invalid bytes scored as the teacher's single-byte tokens
 
 
 @dataclass(frozen=True)
@@ -144,41 +144,26 @@ def token_logprobs(model: Any, prompt: Sequence[int], completion: Sequence[int])
     return lp.double().cpu().numpy()
 
 
-def _piecewise(ids: Sequence[int], student: Side, teacher: Side) -> list[int]:
-    """The teacher's tokens of each student token's bytes, merged apart (specials by content, or end of sequence)."""
-    model = teacher.tokenizer.backend_tokenizer.model
-    out: list[int] = []
-    for t in ids:
-        if t in student.vocab.special:
-            match = teacher.vocab.special_id(student.vocab.special[t])
-            out.append(int(match if match is not None else teacher.vocab.eos_id))
-        else:
-            out += [tok.id for tok in model.tokenize(student.tokenizer.convert_ids_to_tokens(int(t)))]
-    return out
-
-
 def sequence_kl(student: Side, teacher: Side, question: str, completion: Sequence[int]) -> tuple[float, int, bool]:
     """One completion's text-level figure: the student's log-likelihood of ``completion`` after ``question``'s chat
     prompt minus the teacher's of the same text after its own prompt; with the completion's text bytes and whether
-    it was scored on the byte fallback."""
+    the teacher read some of its bytes on the byte fallback (``retokenize``: bytes that are not UTF-8 text as its
+    single-byte tokens; ``RoundTripError`` where the teacher has no token for such a byte)."""
     import numpy as np
 
     from pipeline.demo.pretrain import chat_ids
-    from pipeline.teacher.crosstok import RoundTripError, align, chunk_logprobs, retokenize
+    from pipeline.teacher.crosstok import align, chunk_logprobs, retokenize
 
     s_lp = token_logprobs(student.model, chat_ids(student.tokenizer, question), completion)
     t_prompt = chat_ids(teacher.tokenizer, question)
     text_bytes = sum(len(student.vocab.pieces[t] or b"") for t in completion)
-    try:
-        r = retokenize(completion, student.vocab, teacher.tokenizer, teacher.vocab)
-    except RoundTripError:
-        t_lp = token_logprobs(teacher.model, t_prompt, _piecewise(completion, student, teacher))
-        return float(s_lp.sum() - t_lp.sum()), text_bytes, True
+    r = retokenize(completion, student.vocab, teacher.tokenizer, teacher.vocab)
     a = align(r)
     chunks = chunk_logprobs(a, token_logprobs(teacher.model, t_prompt, r.teacher_ids.tolist()))
     signal = np.isfinite(chunks)  # a chunk the teacher has no token for (never here: the same specials) is left out
     s_chunks = [float(s_lp[s0:s1].sum()) for s0, s1 in a.student.tolist()]
-    return float(sum(s for s, ok in zip(s_chunks, signal, strict=True) if ok) - chunks[signal].sum()), text_bytes, False
+    kl = float(sum(s for s, ok in zip(s_chunks, signal, strict=True) if ok) - chunks[signal].sum())
+    return kl, text_bytes, r.fallback_bytes > 0
 
 
 def text_reverse_kl(student: Side, teacher: Side, questions: Sequence[str], *, max_new: int = HELDOUT_MAX_NEW,

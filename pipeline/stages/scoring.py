@@ -140,6 +140,7 @@ class ScoringStats:
     cross_aligned: int = 0
     cross_topk_mass: float = 0.0
     cross_mapped_mass: float = 0.0
+    cross_fallback_bytes: int = 0  # trained bytes not UTF-8 text, scored as the teacher's single-byte tokens
 
     def observe_latency(self, seconds: float) -> None:
         self.latencies_s.append(seconds)
@@ -348,6 +349,9 @@ class Scorer:
                     st.cross_aligned += cross.aligned
                     st.cross_topk_mass += cross.topk_mass
                     st.cross_mapped_mass += cross.mapped_mass
+                    st.cross_fallback_bytes += cross.fallback_bytes
+                    if cross.fallback_bytes:
+                        log.info("cross_byte_fallback", group_id=group.group_id, fallback_bytes=cross.fallback_bytes)
                 return scored
         status, reason = outcome
         self.stats.count(status, reason)

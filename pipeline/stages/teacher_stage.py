@@ -28,8 +28,9 @@ class TeacherStage:
         a timeout (connection refused, an error status, an engine gone), and ``slow`` while any of the last
         ``SLOW_WINDOW`` calls timed out (the backend took the request but answered too late; not unhealthy). A teacher
         of another tokenizer adds ``cross_aligned_share`` (the share of trained tokens in aligned chunks with teacher
-        signal) and ``cross_topk_mapped_share`` (the share of the teacher's top-k probability mass, at the rows
-        looked up, that mapped to student ids)."""
+        signal), ``cross_topk_mapped_share`` (the share of the teacher's top-k probability mass, at the rows
+        looked up, that mapped to student ids) and ``cross_fallback_bytes`` (trained bytes that were not UTF-8
+        text, scored as the teacher's single-byte tokens)."""
         st = self.scorer.stats
         unhealthy = (f"teacher backend failing: last {st.failing_calls} call(s) failed, latest: "
                      f"{st.last_backend_error}") if st.failing_calls else None
@@ -44,6 +45,7 @@ class TeacherStage:
             out["cross_aligned_share"] = round(st.cross_aligned / st.cross_trained, 4) if st.cross_trained else None
             out["cross_topk_mapped_share"] = (round(st.cross_mapped_mass / st.cross_topk_mass, 4)
                                               if st.cross_topk_mass else None)
+            out["cross_fallback_bytes"] = st.cross_fallback_bytes
         return out
 
     async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:

@@ -13,6 +13,9 @@ teacher's), and the teacher's BOS put first when its tokenizer adds one by defau
 template over the messages: the bytes the teacher scores are exactly the bytes the student produced and saw.
 Where both families use the same markup (ChatML for SmolLM2 and Qwen2) it is the teacher's template too.
 
+A byte of the student's text that is not UTF-8 is given to the teacher as its single-byte token for that byte
+(``crosstok``'s byte fallback; ``CrossStats.fallback_bytes`` counts those of trained chunks).
+
 Per trained aligned chunk (``crosstok.align``): the sum of its teacher tokens' sampled logprobs on its last
 student row (``chunk_last`` 1), or no signal for a special token the teacher has no counterpart for
 (``chunk_last`` 2). At a trained row whose token starts on a boundary both tokenizations share (and whose teacher
@@ -110,10 +113,12 @@ class CrossStats:
     aligned: int = 0
     topk_mass: float = 0.0
     mapped_mass: float = 0.0
+    #: bytes of trained chunks that are not UTF-8 text, given to the teacher as single-byte tokens (byte fallback)
+    fallback_bytes: int = 0
 
     def __add__(self, o: CrossStats) -> CrossStats:
         return CrossStats(self.trained + o.trained, self.aligned + o.aligned, self.topk_mass + o.topk_mass,
-                          self.mapped_mass + o.mapped_mass)
+                          self.mapped_mass + o.mapped_mass, self.fallback_bytes + o.fallback_bytes)
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class CrossPlan:
     last_chunk: npt.NDArray[np.int64]  # [R] the chunk whose last token row j predicts (-1 where chunk_last == 0)
     topk_at: npt.NDArray[np.int64]  # [R] index into the request's rows of the teacher row for the top-k, or -1
     vmap: npt.NDArray[np.int32]  # teacher id -> student id, -1 appended for ids outside the teacher's table
+    fallback_bytes: int = 0  # teacher tokens of trained chunks that stand for a byte that is not UTF-8 text
 
     def payload(self, res: ScoreResult, *, fp16: bool = False) -> tuple[TeacherPayload, CrossStats]:
         """The payload in student positions from the teacher's answer to ``request`` (shapes checked before)."""
@@ -169,7 +175,7 @@ class CrossPlan:
                                  sampled_logprobs=t.sampled_logprobs, rows=t.rows,
                                  chunk_last=Array.from_numpy(self.chunk_last, UINT8),
                                  topk_mapped=Array.from_numpy(mapped, UINT8))
-        return payload, CrossStats(r, int(self.aligned_rows()), topk_mass, mapped_mass)
+        return payload, CrossStats(r, int(self.aligned_rows()), topk_mass, mapped_mass, self.fallback_bytes)
 
     def aligned_rows(self) -> int:
         """Trained rows in chunks with teacher signal."""
@@ -227,4 +233,5 @@ def convert(tokens: npt.NDArray[Any], loss_mask: npt.NDArray[Any], k: int, cross
     topk_at[at] = np.searchsorted(req_rows, starts[at] + offset - 1)
     vmap = np.append(cross.vmap, np.int32(-1)).astype(np.int32)
     request = ScoreRequest(t_ids, k, req_rows)
-    return CrossPlan(request, a, offset, rows, chunk_last, last_chunk, topk_at, vmap)
+    fallback = int(r.teacher_fallback[tok].sum()) if tok.shape[0] else 0
+    return CrossPlan(request, a, offset, rows, chunk_last, last_chunk, topk_at, vmap, fallback)

@@ -9,16 +9,20 @@ tokenizers differ uses it in three steps:
 2. ``retokenize(student_ids, student_vocab, teacher, teacher_vocab)``: the student's completion as text, split at
    its special tokens into text segments, each segment encoded by the teacher's tokenizer on its own, each special
    token mapped to the teacher's special token of the same content (or the student's end-of-sequence to the
-   teacher's). A segment whose bytes are not UTF-8, or that the teacher's tokenizer does not give back byte for
-   byte, fails the round trip (``RoundTripError``: the group's payload is dropped with the reason
-   ``cross_tokenizer: ...``).
+   teacher's). Where a segment's bytes are not UTF-8 (a byte-level student writing a byte that does not form a
+   character), its valid runs are encoded apart and each invalid byte becomes the teacher's single-byte token for
+   it (**byte fallback**: a byte-level BPE has all 256, a SentencePiece-style tokenizer its ``<0xNN>`` tokens;
+   ``Retokenized.teacher_fallback`` marks them). A segment with a byte the teacher has no token for, or that the
+   teacher's tokenizer does not give back byte for byte, fails the round trip (``RoundTripError``: the group's
+   payload is dropped with the reason ``cross_tokenizer: ...``).
    ``retokenize_sequence`` does it for a whole sequence (prompt, completions, later turns), also cutting at every
    ``loss_mask`` transition so that no chunk straddles trained and untrained tokens (the teacher worker's
    ``--cross-tokenizer``, ``pipeline.teacher.crossscore``).
 3. ``align(...)``: the two tokenizations' byte boundaries; every boundary both share closes an **aligned chunk**
    (a run of student tokens covering exactly the bytes of a run of teacher tokens). ``chunk_logprobs`` sums the
    teacher's token logprobs per chunk: the sum over a completion's chunks is the teacher's log-likelihood of the
-   completion text under its own tokenization, exactly.
+   completion text under its own tokenization, exactly (with byte fallback: of that tokenization, which is one of
+   the byte string's tokenizations, so a lower bound of the teacher's probability of the bytes).
 
 Rules at the edges:
 - **The first completion token.** The teacher's prompt is tokenized apart from the completion (its own chat
@@ -110,6 +114,8 @@ class VocabBytes:
     #: True where encoding a text puts a space before it (SentencePiece's ``prepend_scheme``).
     prepends_space: bool = False
     _by_content: dict[str, int] = field(default_factory=dict, repr=False)
+    #: byte value -> the id whose text is that one byte (byte-level BPE: all 256; SentencePiece: ``<0xNN>``)
+    _by_byte: dict[int, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, tokenizer: Any) -> VocabBytes:
@@ -127,11 +133,19 @@ class VocabBytes:
         prepends = not byte_level and bool(tokenizer("a", add_special_tokens=False)["input_ids"]) and \
             (pieces[tokenizer("a", add_special_tokens=False)["input_ids"][0]] or b"").startswith(b" ")
         eos = tokenizer.eos_token_id
+        by_byte: dict[int, int] = {}
+        for i, p in enumerate(pieces):
+            if p is not None and len(p) == 1:
+                by_byte.setdefault(p[0], i)
         return cls(pieces, special, int(eos) if eos is not None else None, prepends,
-                   {content: i for i, content in special.items()})
+                   {content: i for i, content in special.items()}, by_byte)
 
     def special_id(self, content: str) -> int | None:
         return self._by_content.get(content)
+
+    def byte_id(self, byte: int) -> int | None:
+        """The id whose text is the single byte ``byte`` (``None``: the vocabulary has no such token)."""
+        return self._by_byte.get(byte)
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -163,6 +177,13 @@ class Retokenized:
     #: leading bytes of a teacher token that are not the student's text (1: the space SentencePiece puts before
     #: a segment's first token), so a token's text is ``pieces[id][skip:]``
     teacher_skip: npt.NDArray[np.int64]
+    #: teacher tokens that stand for one byte of a segment that is not UTF-8 (byte fallback), ``[len(teacher_ids)]``
+    teacher_fallback: npt.NDArray[np.bool_]
+
+    @property
+    def fallback_bytes(self) -> int:
+        """Bytes given to the teacher as single-byte tokens because they are not UTF-8 text."""
+        return int(self.teacher_fallback.sum())
 
     def teacher_text(self, vocab: VocabBytes, start: int, end: int) -> bytes:
         """The student text that teacher tokens ``[start, end)`` cover."""
@@ -195,6 +216,40 @@ def _encode(text: str, raw: bytes, teacher: Any, vocab: VocabBytes) -> tuple[lis
     return enc, lens, skip
 
 
+def _encode_bytes(raw: bytes, teacher: Any, vocab: VocabBytes) -> tuple[list[int], list[int], list[int], list[bool]]:
+    """The teacher's tokens of one text segment's bytes, their lengths in bytes, skips and fallback marks: each
+    run of valid UTF-8 encoded by the teacher's tokenizer (``_encode``), each byte outside such a run the
+    teacher's single-byte token for it (``RoundTripError`` where it has none)."""
+    ids: list[int] = []
+    lens: list[int] = []
+    skips: list[int] = []
+    fallback: list[bool] = []
+    pos = 0
+    while pos < len(raw):
+        try:
+            raw[pos:].decode("utf-8")
+            good, bad = len(raw), len(raw)
+        except UnicodeDecodeError as e:
+            good, bad = pos + e.start, pos + e.end
+        if good > pos:
+            enc, run_lens, skip = _encode(raw[pos:good].decode("utf-8"), raw[pos:good], teacher, vocab)
+            ids += enc
+            lens += run_lens
+            skips += [skip] + [0] * (len(enc) - 1) if enc else []
+            fallback += [False] * len(enc)
+        for at in range(good, bad):
+            t = vocab.byte_id(raw[at])
+            if t is None:
+                raise RoundTripError(f"{CROSS_TOKENIZER}: the completion is not UTF-8 text at byte {at} of a "
+                                     f"segment (0x{raw[at]:02X}) and the teacher has no token for that byte")
+            ids.append(t)
+            lens.append(1)
+            skips.append(0)
+            fallback.append(True)
+        pos = bad
+    return ids, lens, skips, fallback
+
+
 def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
                teacher_vocab: VocabBytes) -> Retokenized:
     """The teacher's tokenization of the student's completion ``student_ids`` (see the module's rules)."""
@@ -203,6 +258,7 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
     t_ids: list[int] = []
     t_len: list[int] = []
     t_skip: list[int] = []
+    t_fallback: list[bool] = []
     parts: list[tuple[tuple[int, int], tuple[int, int], bool]] = []
     i = 0
     while i < len(ids):
@@ -215,28 +271,24 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
                 t_ids.append(int(match))
                 t_len.append(0)
                 t_skip.append(0)
+                t_fallback.append(False)
             parts.append(((i, i + 1), (j, len(t_ids)), False))
             i += 1
             continue
         end = i
         while end < len(ids) and ids[end] not in student.special:
             end += 1
-        raw = _text(ids[i:end], student)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RoundTripError(f"{CROSS_TOKENIZER}: the completion is not UTF-8 text at byte {e.start} "
-                                 "of a segment") from None
-        enc, lens, skip = _encode(text, raw, teacher, teacher_vocab)
+        enc, lens, skips, fallback = _encode_bytes(_text(ids[i:end], student), teacher, teacher_vocab)
         s_len[i:end] = [len(student.pieces[t] or b"") for t in ids[i:end]]
         j = len(t_ids)
         t_ids.extend(enc)
         t_len.extend(lens)
-        t_skip.extend([skip] + [0] * (len(enc) - 1))
+        t_skip.extend(skips)
+        t_fallback.extend(fallback)
         parts.append(((i, end), (j, len(t_ids)), True))
         i = end
     return Retokenized(np.asarray(t_ids, dtype=np.int32), s_len, np.asarray(t_len, dtype=np.int64), parts,
-                       np.asarray(t_skip, dtype=np.int64))
+                       np.asarray(t_skip, dtype=np.int64), np.asarray(t_fallback, dtype=np.bool_))
 
 
 def retokenize_sequence(student_ids: Sequence[int], loss_mask: Sequence[int] | npt.NDArray[np.generic],
@@ -254,6 +306,7 @@ def retokenize_sequence(student_ids: Sequence[int], loss_mask: Sequence[int] | n
     s_len: list[npt.NDArray[np.int64]] = []
     t_len: list[npt.NDArray[np.int64]] = []
     t_skip: list[npt.NDArray[np.int64]] = []
+    t_fallback: list[npt.NDArray[np.bool_]] = []
     parts: list[tuple[tuple[int, int], tuple[int, int], bool]] = []
     t_off = 0
     for a, b in pairwise(cuts):
@@ -262,6 +315,7 @@ def retokenize_sequence(student_ids: Sequence[int], loss_mask: Sequence[int] | n
         s_len.append(r.student_len)
         t_len.append(r.teacher_len)
         t_skip.append(r.teacher_skip)
+        t_fallback.append(r.teacher_fallback)
         parts += [((a + s0, a + s1), (t_off + t0, t_off + t1), is_text)
                   for (s0, s1), (t0, t1), is_text in r.parts]
         t_off += len(r.teacher_ids)
@@ -270,7 +324,7 @@ def retokenize_sequence(student_ids: Sequence[int], loss_mask: Sequence[int] | n
         return np.concatenate(xs).astype(dtype, copy=False) if xs else np.zeros(0, dtype)
 
     return Retokenized(cat(t_ids, np.int32), cat(s_len, np.int64), cat(t_len, np.int64), parts,
-                       cat(t_skip, np.int64))
+                       cat(t_skip, np.int64), cat(t_fallback, np.bool_))
 
 
 @dataclass(frozen=True)

@@ -32,16 +32,20 @@ TEACHER_SPECIALS = ["<|endoftext|>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 K = 8
 
 
-def teacher_tokenizer(out: Path) -> None:
-    """Another byte-level BPE: 800 ids, merges learnt on other text, and a BOS its tokenizer adds by default."""
+def teacher_tokenizer(out: Path, *, ascii_only: bool = False) -> None:
+    """Another byte-level BPE: 800 ids, merges learnt on other text, and a BOS its tokenizer adds by default.
+    ``ascii_only``: its alphabet is the bytes below 128 (no token for a byte above 127)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from pipeline.teacher.crosstok import _byte_decoder
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = [c for c, b in _byte_decoder().items() if b < 128] if ascii_only else pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=TEACHER_SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=alphabet)
     text = [line[::-1] + " the answer is calc(12, 34) and we call tools" for line in corpus(2000, seed=5)]
     tok.train_from_iterator(text, trainer=trainer)
     bos = tok.token_to_id("<s>")
@@ -236,18 +240,60 @@ def test_topk_only_at_shared_boundaries_and_mapped_ids_have_the_teacher_entries_
     assert with_topk > 0
 
 
-def test_text_that_does_not_survive_the_round_trip_drops_the_group(
-        tokenizers: tuple[Any, Any, Path, Path], cross: CrossTokenizer) -> None:
-    student, teacher_tok, _, _ = tokenizers
+def half_character_group(student: Any, cross: CrossTokenizer) -> tuple[RolloutGroup, int]:
+    """The conversation whose final answer ends half-way through a character (a lone 0xC3 before ``</s>``), and
+    the position of that byte."""
     toks, mask, _ = conversation(student)
     half = next(i for i, p in enumerate(cross.student.pieces) if p == "é".encode()[:1])
-    toks[-2], mask[-2] = half, 1  # the answer ends half-way through a character
-    bad = RolloutGroup(group_id="bad", sequences=[make_sequence(toks, mask)])
-    good, dropped = score(cross, BigramTeacher(len(teacher_tok)), [group_of(student), bad])
-    assert good.status is DistillStatus.OK
+    toks[-2], mask[-2] = half, 1
+    lp = np.where(np.array(mask) > 0, -1.0, 0.0).astype(np.float32)
+    return RolloutGroup(group_id="half", sequences=[make_sequence(toks, mask, logprobs=lp)]), len(toks) - 2
+
+
+def test_a_byte_that_is_not_utf8_is_scored_as_the_teachers_byte_token(
+        tokenizers: tuple[Any, Any, Path, Path], cross: CrossTokenizer) -> None:
+    from pipeline.stages.teacher_stage import TeacherStage
+
+    student, teacher_tok, _, _ = tokenizers
+    group, p = half_character_group(student, cross)
+    teacher = BigramTeacher(len(teacher_tok))
+    stage = TeacherStage(Scorer(teacher, ScoringConfig(default_k=K), cross=cross,
+                                limits=Limits(vocab_size=len(cross.student))))
+    (g,) = asyncio.run(stage.scorer.score_groups([group]))
+    assert g.status is DistillStatus.OK, g.reason
+    byte_c3 = cross.teacher_vocab.byte_id(0xC3)
+    assert byte_c3 is not None and teacher_tok.convert_ids_to_tokens(byte_c3) == "Ã"
+    req = teacher.calls[0].tokens.tolist()
+    at = len(req) - 2  # the teacher's sequence ends ..., <0xC3>, </s> too
+    assert req[at:] == [byte_c3, teacher_tok.eos_token_id]
+    t = g.teacher[0]  # type: ignore[index]
+    row = t.rows.numpy().tolist().index(p - 1)  # type: ignore[union-attr]
+    assert t.chunk_last.numpy()[row] == LAST  # type: ignore[union-attr]
+    # the byte's chunk: the teacher's logprob of its byte token after the token before it (a one-token chunk here)
+    assert float(t.sampled_logprobs.numpy()[row]) == pytest.approx(float(teacher.logp[req[at - 1], byte_c3]),
+                                                                   abs=1e-5)
+    adv = materialize(manifest([g]), [g]).advantages[0].numpy()
+    assert adv[p] == pytest.approx(0.7 * (float(teacher.logp[req[at - 1], byte_c3]) + 1.0), abs=1e-5)
+    assert stage.scorer.stats.cross_fallback_bytes == 1 and stage.report()["cross_fallback_bytes"] == 1
+
+
+def test_a_byte_the_teacher_has_no_token_for_drops_the_group(
+        tokenizers: tuple[Any, Any, Path, Path], tmp_path: Path) -> None:
+    student, _, s_path, _ = tokenizers
+    teacher_tokenizer(tmp_path / "ascii", ascii_only=True)
+    ascii_cross = CrossTokenizer.load(tmp_path / "ascii", s_path)
+    assert ascii_cross.teacher_vocab.byte_id(0xC3) is None
+    bad, _ = half_character_group(student, ascii_cross)
+    scorer = Scorer(BigramTeacher(len(ascii_cross.teacher_vocab)), ScoringConfig(default_k=K), cross=ascii_cross,
+                    limits=Limits(vocab_size=len(ascii_cross.student)))
+    good, dropped = asyncio.run(scorer.score_groups([group_of(student), bad]))
+    assert good.status is DistillStatus.OK, good.reason
     assert dropped.status is DistillStatus.DROPPED and dropped.teacher is None
-    assert dropped.reason is not None and dropped.reason.startswith("cross_tokenizer: ")
+    assert dropped.reason is not None and dropped.reason.startswith(
+        "cross_tokenizer: the completion is not UTF-8 text at byte ")
+    assert "(0xC3) and the teacher has no token for that byte" in dropped.reason
     assert dropped.reason.endswith("(sequence 0)")
+    assert scorer.stats.reasons["cross_tokenizer"] == 1 and scorer.stats.cross_fallback_bytes == 0
 
 
 def with_field(g: ScoredGroup, **kw: Any) -> ScoredGroup:
@@ -329,6 +375,17 @@ def test_feeder_chunk_advantages_equal_the_learners_and_the_header_kl_is_per_chu
         assert np.isfinite(got).all() and (got[s.loss_mask.numpy() == 0] == 0).all()
         assert (got[s.loss_mask.numpy() > 0] != 0).sum() > 0
         np.testing.assert_allclose(tb.advantages[b, : n - 1].numpy(), got[1:])
+        # TorchBatch.chunk_last: the payload's values at its rows, 0 elsewhere; with it a learner sums the student's
+        # logprobs per chunk and gets the batch's advantages back
+        t = g.teacher[i]  # type: ignore[index]
+        rows = t.rows.numpy()  # type: ignore[union-attr]
+        assert tb.chunk_last[b, rows].numpy().tolist() == t.chunk_last.numpy().tolist()  # type: ignore[union-attr]
+        assert int(tb.chunk_last[b].sum()) == int(t.chunk_last.numpy().astype(int).sum())  # type: ignore[union-attr]
+        q_c = torch.where(tb.chunk_last[b] == NO_SIGNAL, torch.nan, tb.teacher_sampled_logprobs[b])
+        mine = chunk_reverse_kl_advantages(q_c[None], tb.chunk_last[b][None], tb.student_logprobs[b][None],
+                                           tb.loss_mask[b][None], coef=0.7)[0]
+        np.testing.assert_allclose(mine.numpy(), tb.advantages[b].numpy(), atol=1e-6)
+    assert (tb.chunk_last.numpy() == NO_SIGNAL).sum() == 2  # the student-only <|tool|> in group h's two sequences
     # the KL of the header: sum over chunks with signal of s_c - q_c, and the trained tokens in them
     total = n_tok = 0.0
     for g, i, s in seqs[:2]:

@@ -138,15 +138,133 @@ def test_special_tokens_are_chunks_of_their_own_and_eos_maps_to_eos(pair: tuple[
 
 
 def test_text_that_does_not_survive_the_teachers_tokenizer_is_refused_by_name(pair: tuple[Any, Any, Path]) -> None:
-    student, teacher, _ = pair
-    sv, tv = VocabBytes.of(student), VocabBytes.of(teacher)
-    e_acute = "é".encode()
-    half = next(i for i, p in enumerate(sv.pieces) if p == e_acute[:1])  # a byte-level token: half a character
-    with pytest.raises(RoundTripError, match="cross_tokenizer: the completion is not UTF-8 text at byte 0"):
-        retokenize([half], sv, teacher, tv)
+    student, teacher, root = pair
+    from transformers import AutoTokenizer
+
+    build_tokenizer(root / "ascii", all_bytes=False)  # a byte-level BPE with no token for a byte above 127
+    ascii_teacher = AutoTokenizer.from_pretrained(str(root / "ascii"))
+    sv, tv, av = VocabBytes.of(student), VocabBytes.of(teacher), VocabBytes.of(ascii_teacher)
+    assert av.byte_id(0xC3) is None and av.byte_id(ord("4")) is not None
+    half = byte_token(student, 0xC3)  # a byte-level token: half a character
+    four = student("4", add_special_tokens=False)["input_ids"]
+    with pytest.raises(RoundTripError, match=r"cross_tokenizer: the completion is not UTF-8 text at byte 1 of a "
+                                             r"segment \(0xC3\) and the teacher has no token for that byte"):
+        retokenize([*four, half, *four], sv, ascii_teacher, av)
+    assert retokenize([*four, *four], sv, ascii_teacher, av).fallback_bytes == 0  # its text alone: fine
     with pytest.raises(RoundTripError, match="cross_tokenizer: the teacher's tokenizer changes the text"):
         retokenize(student("a\u00a0b", add_special_tokens=False)["input_ids"], sv, _NormalisingTeacher(teacher),
                    tv)
+
+
+def byte_token(tok: Any, byte: int) -> int:
+    """A byte-level BPE's token for one byte (GPT-2's printable stand-in for it)."""
+    from pipeline.teacher.crosstok import _byte_decoder
+
+    char = next(c for c, b in _byte_decoder().items() if b == byte)
+    return int(tok.convert_tokens_to_ids(char))
+
+
+@pytest.fixture(scope="module")
+def byte_pair(pair: tuple[Any, Any, Path]) -> tuple[Any, Any, Path]:
+    """Two byte-level BPEs over all 256 bytes, with other merges: the demo's 512 ids and 384 ids."""
+    from transformers import AutoTokenizer
+
+    student, _, root = pair
+    build_tokenizer(root / "teacher384", 384)
+    return student, AutoTokenizer.from_pretrained(str(root / "teacher384")), root
+
+
+def lone_bytes_completion(student: Any) -> tuple[list[int], list[int]]:
+    """``4``, a lone 0xC3 (a character's first byte followed by no continuation), ``1``, a lone continuation byte
+    0xA9, ``2``, end of sequence; and the student's text pieces of its text tokens."""
+    enc = [int(t) for t in student("4", add_special_tokens=False)["input_ids"]]
+    one = [int(t) for t in student("1", add_special_tokens=False)["input_ids"]]
+    two = [int(t) for t in student("2", add_special_tokens=False)["input_ids"]]
+    text = [*enc, byte_token(student, 0xC3), *one, byte_token(student, 0xA9), *two]
+    return [*text, int(student.eos_token_id)], text
+
+
+def test_bytes_that_are_not_utf8_become_the_teachers_single_byte_tokens(byte_pair: tuple[Any, Any, Path]) -> None:
+    student, teacher, _ = byte_pair
+    sv, tv = VocabBytes.of(student), VocabBytes.of(teacher)
+    ids, text = lone_bytes_completion(student)
+    assert b"".join(sv.pieces[t] or b"" for t in text) == b"4\xc31\xa92"
+    r = retokenize(ids, sv, teacher, tv)
+    enc = [int(t) for t in teacher("4", add_special_tokens=False)["input_ids"]]
+    expected = [*enc, byte_token(teacher, 0xC3), *teacher("1", add_special_tokens=False)["input_ids"],
+                byte_token(teacher, 0xA9), *teacher("2", add_special_tokens=False)["input_ids"], teacher.eos_token_id]
+    assert r.teacher_ids.tolist() == expected
+    assert r.fallback_bytes == 2 and r.teacher_fallback.tolist() == [t in (expected[1], expected[3])
+                                                                       for t in expected]
+    a = align(r)
+    for s_rng, t_rng in zip(a.student.tolist(), a.teacher.tolist(), strict=True):
+        assert chunk_bytes(sv, ids, s_rng) == r.teacher_text(tv, *t_rng)
+    assert a.chunks == 6 and a.unmapped == 0  # each byte its own chunk here, and the end of sequence
+    # a valid character cut across two student tokens is text: the teacher's own tokenizer reads it
+    e_acute = retokenize([byte_token(student, 0xC3), byte_token(student, 0xA9)], sv, teacher, tv)
+    assert e_acute.fallback_bytes == 0
+    assert e_acute.teacher_ids.tolist() == teacher("é", add_special_tokens=False)["input_ids"]
+
+
+def test_a_sentencepiece_teacher_reads_such_bytes_as_its_byte_tokens(pair: tuple[Any, Any, Path]) -> None:
+    student, teacher, _ = pair
+    sv, tv = VocabBytes.of(student), VocabBytes.of(teacher)
+    ids, _ = lone_bytes_completion(student)
+    r = retokenize(ids, sv, teacher, tv)
+    fallback = [teacher.convert_ids_to_tokens(int(t)) for t in r.teacher_ids[r.teacher_fallback]]
+    assert fallback == ["<0xC3>", "<0xA9>"]
+    a = align(r)
+    for s_rng, t_rng in zip(a.student.tolist(), a.teacher.tolist(), strict=True):
+        assert chunk_bytes(sv, ids, s_rng) == r.teacher_text(tv, *t_rng)  # the spaces SentencePiece put first: off
+
+
+def test_random_bytes_tile_on_both_sides_and_every_invalid_byte_is_counted(byte_pair: tuple[Any, Any, Path]) -> None:
+    student, teacher, _ = byte_pair
+    sv, tv = VocabBytes.of(student), VocabBytes.of(teacher)
+    rng = random.Random(5)
+    text_ids = [i for i, p in enumerate(sv.pieces) if p is not None]
+    total = 0
+    for _ in range(100):
+        ids = [rng.choice(text_ids) for _ in range(rng.randint(1, 12))]
+        raw = b"".join(sv.pieces[t] or b"" for t in ids)
+        r = retokenize(ids, sv, teacher, tv)
+        invalid = len(raw) - len(raw.decode("utf-8", "ignore").encode())
+        assert r.fallback_bytes == invalid
+        assert r.teacher_text(tv, 0, len(r.teacher_ids)) == raw
+        a = align(r)
+        for s_rng, t_rng in zip(a.student.tolist(), a.teacher.tolist(), strict=True):
+            assert chunk_bytes(sv, ids, s_rng) == r.teacher_text(tv, *t_rng)
+        total += invalid
+    assert total > 50  # random byte-level tokens: many are not UTF-8
+
+
+def test_with_byte_fallback_chunk_sums_are_the_log_likelihood_of_that_tokenization(
+        byte_pair: tuple[Any, Any, Path]) -> None:
+    """Exactness on the byte fallback: the chunk logprobs sum to the teacher's log-likelihood of the fallback
+    tokenization (valid runs by its tokenizer, each invalid byte its single-byte token), after its prompt."""
+    from transformers import AutoModelForCausalLM
+
+    student, teacher, root = byte_pair
+    build_model(root / "teacher384-model", "teacher", len(teacher), seed=2, size=(32, 2, 2, 64))
+    model = AutoModelForCausalLM.from_pretrained(str(root / "teacher384-model")).eval()
+    sv, tv = VocabBytes.of(student), VocabBytes.of(teacher)
+    ids, _ = lone_bytes_completion(student)
+    r = retokenize(ids, sv, teacher, tv)
+    a = align(r)
+    prompt = teacher("<|user|>1+3=<|assistant|>", add_special_tokens=False)["input_ids"]
+    full = torch.tensor([[*prompt, *r.teacher_ids.tolist()]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(full).logits[0, :-1].double(), -1)
+    shipped = chunk_logprobs(a, logp.gather(1, full[0, 1:, None])[:, 0].numpy()[len(prompt) - 1:])
+    own = [*teacher("4", add_special_tokens=False)["input_ids"], byte_token(teacher, 0xC3),
+           *teacher("1", add_special_tokens=False)["input_ids"], byte_token(teacher, 0xA9),
+           *teacher("2", add_special_tokens=False)["input_ids"], teacher.eos_token_id]
+    seq = torch.tensor([[*prompt, *own]])
+    with torch.no_grad():
+        ref = torch.log_softmax(model(seq).logits[0, :-1].double(), -1)
+    expected = float(ref.gather(1, seq[0, 1:, None])[len(prompt) - 1:].sum())
+    assert float(np.nansum(shipped)) == pytest.approx(expected, abs=1e-4)
+    assert not np.isnan(shipped).any() and len(shipped) == a.chunks
 
 
 class _NormalisingTeacher:
