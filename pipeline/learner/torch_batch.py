@@ -21,6 +21,15 @@ Cross-tokenizer payloads (``TeacherPayload.topk_mapped``, a teacher of another t
 the top-k losses see the mapped teacher entries only (their unmapped mass is the tail of ``mode="tail"``). Their
 ``teacher_sampled_logprobs`` are chunk log-probabilities on the chunks' last positions (0 elsewhere); the
 per-token signal is in ``advantages`` (``pipeline.stages.batching``).
+
+``chunk_last`` (uint8 ``[B, T-1]``, laid out as ``teacher_sampled_logprobs``) says where the chunks end, so a learner
+can sum the student's logprobs per chunk: a cross-tokenizer payload's own values at its rows (0 inside a chunk, 1 on
+the last position of a chunk whose teacher log-probability is in ``teacher_sampled_logprobs``, 2 on the last position
+of a chunk with no teacher signal); a payload of the student's tokenizer is one chunk per token, so 1 at every row it
+holds. 0 where no payload holds the row (padding, a group without an OK payload, rows a payload does not hold:
+untrained, so outside ``loss_mask``). ``pipeline.learner.crosstok.chunk_reverse_kl_advantages(torch.where(
+chunk_last == 2, nan, teacher_sampled_logprobs), chunk_last, student_logprobs, loss_mask, coef)`` gives back the
+batch's chunk advantages; ``chunk_ids(chunk_last)`` numbers the chunks for a loss of one's own.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class TorchBatch:
     teacher_topk_ids: torch.Tensor  # [B, T-1, K] int64 (or int32, see ``to_torch``)
     teacher_topk_logprobs: torch.Tensor  # [B, T-1, K] float32 (or bf16/fp16), PAD_LOGPROB in empty slots
     teacher_sampled_logprobs: torch.Tensor  # [B, T-1] float32
+    chunk_last: torch.Tensor  # [B, T-1] uint8: 1/2 on a chunk's last position (same tokenizer: 1 per held row), else 0
     distill_mask: torch.Tensor  # [B, T-1] float32, loss_mask where the group has an OK teacher payload
     group_index: torch.Tensor  # [B] int64, index of the sequence's group in batch.groups
     seq_lengths: torch.Tensor  # [B] int64
@@ -115,6 +125,7 @@ def to_torch(
     top_ids = torch.zeros((b, n, k), dtype=index_dtype)
     top_lps = torch.full((b, n, k), PAD_LOGPROB, dtype=topk_dtype)
     sampled = np.zeros((b, n), np.float32)
+    chunk_last = np.zeros((b, n), np.uint8)
     distill = np.zeros((b, n), np.float32)
     lengths = np.zeros(b, np.int64)
 
@@ -134,7 +145,7 @@ def to_torch(
             raise ValueError(f"advantages[{i}] has shape {av.shape}, sequence has {length} tokens")
         adv[i, :m] = av[1:]
         if p is not None:
-            _put_teacher(i, m, p, top_ids, top_lps, sampled, distill, mask)
+            _put_teacher(i, m, p, top_ids, top_lps, sampled, chunk_last, distill, mask)
 
     labels = input_ids[:, 1:].copy()
     group_index = np.array([gi for gi, _ in seqs], np.int64)
@@ -152,6 +163,7 @@ def to_torch(
         teacher_topk_ids=top_ids.to(device),
         teacher_topk_logprobs=top_lps.to(device),
         teacher_sampled_logprobs=tt(sampled),
+        chunk_last=tt(chunk_last),
         distill_mask=tt(distill),
         group_index=tt(group_index),
         seq_lengths=tt(lengths),
@@ -165,6 +177,7 @@ def _put_teacher(
     top_ids: torch.Tensor,
     top_lps: torch.Tensor,
     sampled: npt.NDArray[np.float32],
+    chunk_last: npt.NDArray[np.uint8],
     distill: npt.NDArray[np.float32],
     mask: npt.NDArray[np.float32],
 ) -> None:
@@ -176,6 +189,7 @@ def _put_teacher(
     held: slice | npt.NDArray[np.int32] = slice(0, m) if p.rows is None else rows
     at: slice | torch.Tensor = held if isinstance(held, slice) else torch.tensor(held, dtype=torch.int64)
     sampled[i, :m] = p.dense_sampled(m + 1)
+    chunk_last[i, held] = p.chunk_last.numpy() if p.chunk_last is not None else 1  # same tokenizer: a chunk per row
     distill[i, held] = mask[i, held]  # where the position trains and the payload holds its row
     lps = p.topk_logprobs.numpy()
     if p.topk_mapped is not None:  # cross-tokenizer: empty slots are padding, rows without a mapped slot no signal

@@ -74,6 +74,7 @@ def test_shapes_and_dtypes(tb: TorchBatch) -> None:
         "teacher_topk_ids": ((b, t - 1, k), torch.int64),
         "teacher_topk_logprobs": ((b, t - 1, k), torch.float32),
         "teacher_sampled_logprobs": ((b, t - 1), torch.float32),
+        "chunk_last": ((b, t - 1), torch.uint8),
         "distill_mask": ((b, t - 1), torch.float32),
         "group_index": ((b,), torch.int64),
         "seq_lengths": ((b,), torch.int64),
@@ -102,7 +103,7 @@ def test_every_field_is_next_token_aligned(batch: schemas.TrainBatch, tb: TorchB
             assert np.array_equal(tb.student_logprobs[i, : n - 1].numpy(), lp)
             assert np.array_equal(tb.advantages[i, : n - 1].numpy(), batch.advantages[i].numpy()[1:])
             if g.teacher is None:
-                assert (tb.distill_mask[i] == 0).all()
+                assert (tb.distill_mask[i] == 0).all() and (tb.chunk_last[i] == 0).all()
                 assert (tb.teacher_topk_logprobs[i] == PAD_LOGPROB).all()
             else:
                 p = g.teacher[j]
@@ -118,6 +119,8 @@ def test_every_field_is_next_token_aligned(batch: schemas.TrainBatch, tb: TorchB
                 assert (tb.teacher_topk_logprobs[i, untrained] == PAD_LOGPROB).all()
                 assert (tb.teacher_topk_ids[i, untrained] == 0).all()
                 assert (tb.teacher_sampled_logprobs[i, untrained] == 0).all()
+                # one tokenizer: every held row is a chunk of its own, the rest (untrained, padding) 0
+                assert (tb.chunk_last[i, rows] == 1).all() and (tb.chunk_last[i, untrained] == 0).all()
                 # Slots past this group's k and rows past the sequence are empty.
                 assert (tb.teacher_topk_logprobs[i, :, p.k :] == PAD_LOGPROB).all()
                 assert (tb.teacher_topk_ids[i, :, p.k :] == 0).all()
@@ -181,6 +184,21 @@ def test_losses_on_padded_mixed_k_batch_are_finite(tb: TorchBatch) -> None:
     assert all(torch.isfinite(p) and p.item() != 0 for p in parts)
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
     assert (logits.grad[tb.loss_mask == 0] == 0).all()
+
+
+def test_chunk_sums_over_one_tokenizer_rows_are_the_per_token_figures(tb: TorchBatch) -> None:
+    """``chunk_last`` of a same-tokenizer batch makes every held row its own chunk: the chunk advantages are the
+    per-token reverse-KL advantages, and the chunk of each trained position is that position alone."""
+    from pipeline.learner.crosstok import chunk_ids, chunk_reverse_kl_advantages
+
+    m = tb.distill_mask
+    per_chunk = chunk_reverse_kl_advantages(tb.teacher_sampled_logprobs, tb.chunk_last, tb.student_logprobs, m, 0.3)
+    per_token = L.reverse_kl_advantages(tb.teacher_sampled_logprobs, tb.student_logprobs, m, coef=0.3)
+    assert torch.allclose(per_chunk, per_token, atol=1e-6) and (per_token != 0).any()
+    ids = chunk_ids(tb.chunk_last)
+    at = m.bool()
+    counts = torch.zeros_like(ids).scatter_add_(1, ids, at.long())
+    assert (counts.gather(1, ids)[at] == 1).all()
 
 
 def test_device_argument_and_to(batch: schemas.TrainBatch) -> None:
