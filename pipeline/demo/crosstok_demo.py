@@ -1,16 +1,16 @@
 """``distillq demo --cross-tokenizer``: a tiny student distilled from a tiny teacher of another tokenizer.
 
-Both tokenizers are byte-level BPEs trained in well under a second on the demo's arithmetic corpus, with the same
-special tokens and chat template (so the chat markup maps by content) and other merges: the teacher's has all 256
-bytes and ``TEACHER_VOCAB_SIZE`` ids (``68`` is two teacher tokens, ``6`` ``8``), the student's the corpus's
-characters and every merge the corpus has (208 ids; ``68`` is one token). The student's alphabet is ASCII because a
-teacher of another tokenizer scores text: an untrained student on all 256 bytes samples bytes above 127 in most of
-its completions, which are not UTF-8, and the teacher worker drops such a group (``cross_tokenizer: ...``) with no
-signal that would teach the student to stop. The models are the tiny teacher's and student's shapes on those
-vocabularies, the teacher pretrained on the task like the demo's usual one (``pretrain.train_teacher``), the student
-untrained, cached under ``.cache/tiny/crosstok-<hash>``. The teacher worker runs with ``--cross-tokenizer``: it
-scores its own tokenization of each sequence's text and ships the signal in the student's positions (aligned
-chunks, ``pipeline.teacher.crossscore``).
+Both tokenizers are byte-level BPEs over all 256 bytes trained in well under a second on the demo's arithmetic
+corpus, with the same special tokens and chat template (so the chat markup maps by content) and other merges: the
+student is the plain demo's (``distillq demo``: the shared tiny tokenizer, 416 ids, untrained model), the teacher's
+has ``TEACHER_VOCAB_SIZE`` ids (``68`` is one student token and two teacher tokens, ``6`` ``8``). The untrained
+student samples bytes above 127 that do not form characters in most of its first completions: the teacher worker
+reads them on the byte fallback (its single-byte tokens, ``pipeline.teacher.crosstok``), gives them a low
+probability, and so teaches the student to stop writing them. The teacher model is the tiny teacher's shape on its
+vocabulary, pretrained on the task like the demo's usual one (``pretrain.train_teacher``), cached under
+``.cache/tiny/crosstok-<hash>``. The teacher worker runs with ``--cross-tokenizer``: it scores its own tokenization
+of each sequence's text and ships the signal in the student's positions (aligned chunks,
+``pipeline.teacher.crossscore``).
 
 The two models' tokens differ, so the held-out reverse KL is measured on text. For each held-out prompt the student
 samples a completion; the figure of that sequence is the student's log-likelihood of its sample minus the teacher's
@@ -19,11 +19,10 @@ template over the same turn) and of the completion's text (``retokenize``), and 
 completion's bytes is the sum of its aligned chunks' log-probabilities (``align``, ``chunk_logprobs``). Averaged over
 the prompts this is a Monte Carlo estimate of the sequence-level KL(student || teacher), in nats per completion
 (``per_sequence``, ``report.json``'s ``heldout_reverse_kl_*``); ``per_byte`` divides the same sum by the completions'
-text bytes (one byte per character of this ASCII task; the end-of-sequence token is markup with no bytes, its
-log-probabilities count in the numerator).
+text bytes (the end-of-sequence token is markup with no bytes, its log-probabilities count in the numerator).
 
-``sequence_kl`` takes any student: where a completion is not UTF-8 text (a student on all 256 bytes writing a byte
-that does not form a character) the teacher reads those bytes as its single-byte tokens (the library's byte
+``sequence_kl`` takes any student: where a completion is not UTF-8 text (a byte that does not form a character) the
+teacher reads those bytes as its single-byte tokens (the library's byte
 fallback, ``pipeline.teacher.crosstok.retokenize``, as the teacher worker does): the log-likelihood of one
 tokenization of the bytes; such completions are counted (``byte_fallback``).
 """
@@ -41,12 +40,21 @@ from typing import Any
 
 from pipeline.cli.supervisor import ProcSpec, distillq_argv
 from pipeline.demo.plots import new_axes, save
-from pipeline.demo.tinymodels import DEFAULT_CACHE, SIZES, TinyModels, arithmetic_problem, build_model, build_tokenizer
+from pipeline.demo.tinymodels import (
+    DEFAULT_CACHE,
+    SIZES,
+    VOCAB_SIZE,
+    TinyModels,
+    arithmetic_problem,
+    build_model,
+    build_tokenizer,
+    ensure_tiny_models,
+)
 
 #: The teacher's vocabulary: all 256 bytes and fewer merges than the corpus has pairs for (384 ids).
 TEACHER_VOCAB_SIZE = 384
-#: The student's: the corpus's characters and every merge the corpus has (208 ids of the 512 asked for).
-STUDENT_VOCAB_SIZE = 512
+#: The student's: the plain demo's tokenizer (all 256 bytes and every merge the corpus has: 416 ids of the 512 asked).
+STUDENT_VOCAB_SIZE = VOCAB_SIZE
 #: Held-out prompts for the start and end reverse KL, and tokens the student samples for each.
 HELDOUT_PROMPTS = 96
 HELDOUT_MAX_NEW = 8
@@ -61,23 +69,21 @@ def _key(seed: int) -> str:
 
 
 def ensure_cross_models(cache: Path | None = None, seed: int = 0) -> TinyModels:
-    """The pair's tokenizers and untrained models (cached): ``teacher`` on the teacher's tokenizer (``tokenizer``),
-    ``student`` on its own ASCII one; each model folder carries its tokenizer. ``pretrain.train_teacher`` trains
-    ``teacher``."""
+    """The teacher's tokenizer (``tokenizer``) and untrained model (``teacher``, its folder carrying the tokenizer),
+    cached, and the plain demo's untrained ``student`` (``tinymodels.ensure_tiny_models``) on its own tokenizer.
+    ``pretrain.train_teacher`` trains ``teacher``."""
     root = (cache or DEFAULT_CACHE) / f"crosstok-{_key(seed)}"
-    tm = TinyModels(root, root / "tokenizer", root / "teacher", root / "student")
+    student = ensure_tiny_models(cache, seed).student
+    tm = TinyModels(root, root / "tokenizer", root / "teacher", student)
     if (root / "DONE").exists():
         return tm
     from transformers import AutoTokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     build_tokenizer(tm.tokenizer, TEACHER_VOCAB_SIZE)
-    build_tokenizer(root / "student-tokenizer", STUDENT_VOCAB_SIZE, all_bytes=False)
-    for i, (name, path, tok_dir) in enumerate((("teacher", tm.teacher, tm.tokenizer),
-                                               ("student", tm.student, root / "student-tokenizer"))):
-        tok = AutoTokenizer.from_pretrained(str(tok_dir))
-        build_model(path, name, len(tok), seed + 10 + i)
-        tok.save_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(tm.tokenizer))
+    build_model(tm.teacher, "teacher", len(tok), seed + 10)
+    tok.save_pretrained(str(tm.teacher))
     (root / "DONE").write_text("ok\n")
     return tm
 

@@ -185,7 +185,7 @@ def each_teacher(summary: dict[str, object], student: Path, pools: dict[str, Pat
 
 
 def cross_pair(tiny: TinyModels) -> TinyModels:
-    """``demo --cross-tokenizer``: the tiny models with the student of its own ASCII tokenizer (cached)."""
+    """``demo --cross-tokenizer``: the tiny models with the student ``ensure_cross_models`` names (the plain demo's)."""
     from dataclasses import replace
 
     from pipeline.demo.crosstok_demo import ensure_cross_models
