@@ -1,6 +1,7 @@
 """`distillq worker teacher --cross-tokenizer` end to end on real Redis: student groups (the tiny tokenizer's ids,
-multi-turn, an untrained tool turn) scored by a tiny hf teacher of another tokenizer, batched by the feeder, and
-delivered to the learner client; the batch reaches ``to_torch`` with finite advantages and a distill mask."""
+multi-turn, an untrained tool turn; one ending half-way through a character, read on the byte fallback) scored by
+a tiny hf teacher of another tokenizer, batched by the feeder, and delivered to the learner client; the batch
+reaches ``to_torch`` with finite advantages, a distill mask and the chunks' ends."""
 
 from __future__ import annotations
 
@@ -52,11 +53,11 @@ def test_cross_tokenizer_teacher_worker_feeds_a_learner(tmp_path: Path, redis_ur
     student = AutoTokenizer.from_pretrained(str(tiny.tokenizer))
     plain, mask, _ = conversation(student)
     special, smask, _ = conversation(student, tool_in_answer=True)
-    broken, bmask = list(plain), list(mask)
-    broken[-2] = next(i for i in range(len(student)) if student.convert_ids_to_tokens(i) == "Ã")  # half of "é"
+    half, hmask = list(plain), list(mask)
+    half[-2] = next(i for i in range(len(student)) if student.convert_ids_to_tokens(i) == "Ã")  # half of "é"
     f = tmp_path / "groups.jsonl"
     f.write_text("\n".join([atropos_line("multi", [plain, special], [mask, smask]),
-                            atropos_line("broken", [broken], [bmask])]) + "\n")
+                            atropos_line("half", [half], [hmask])]) + "\n")
     common = ["--redis-url", redis_url, "--namespace", keys.namespace]
     assert main(["push", str(f), *common]) == 0
     assert main(["worker", "teacher", "--backend", "hf", "--model", str(teacher), "--student-tokenizer",
@@ -66,17 +67,22 @@ def test_cross_tokenizer_teacher_worker_feeds_a_learner(tmp_path: Path, redis_ur
         lb = learner.next_batch(10)
         assert lb is not None
         groups = {g.group_id: g for g in lb.batch.groups}
-        ok, dropped = groups["multi"], groups["broken"]
+        ok, fell_back = groups["multi"], groups["half"]
         assert ok.status is DistillStatus.OK and ok.schema == SCHEMA_VERSION and "tokenizer=" in ok.teacher_id
         assert all(t.cross for t in ok.teacher or ())
-        assert dropped.status is DistillStatus.DROPPED and (dropped.reason or "").startswith("cross_tokenizer: ")
-        assert lb.batch.stats is not None and lb.batch.stats["cross.groups"] == 1
+        # the lone byte 0xC3 is not text: the teacher reads it as its single-byte token, and the group is scored
+        assert fell_back.status is DistillStatus.OK, fell_back.reason
+        assert lb.batch.stats is not None and lb.batch.stats["cross.groups"] == 2
         tb = to_torch(lb.batch)
         adv = tb.advantages.numpy()
         assert np.isfinite(adv).all() and np.isfinite(tb.teacher_topk_logprobs.numpy()).all()
         multi = [i for i, g in enumerate(tb.group_index.tolist()) if lb.batch.groups[g].group_id == "multi"]
         assert (adv[multi] != 0).any() and tb.distill_mask[multi].sum() > 0
         assert (tb.distill_mask <= tb.loss_mask).all()
+        (h,) = [i for i, g in enumerate(tb.group_index.tolist()) if lb.batch.groups[g].group_id == "half"]
+        at = len(half) - 3  # the row predicting the lone byte: the last chunk before </s>, with teacher signal
+        assert int(tb.chunk_last[h, at]) == 1 and float(tb.teacher_sampled_logprobs[h, at]) < 0
+        assert adv[h, at] != 0
         # the example learner trains on the batch unchanged: PG on the advantages, top-k KD over distill_mask
         import torch
 
