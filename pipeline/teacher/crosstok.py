@@ -56,7 +56,8 @@ CROSS_TOKENIZER = "cross_tokenizer"
 
 
 class RoundTripError(WireFormatError, ValueError):
-    """The student's text does not come back byte for byte through the teacher's tokenizer (or is not UTF-8)."""
+    """The student's text does not come back byte for byte through the teacher's tokenizer, or has a byte that is not
+    UTF-8 text and that the teacher has no single-byte token for."""
 
 
 @cache
