@@ -45,10 +45,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "learning from both; the report and the plot give the held-out reverse KL to each teacher "
                         "on its own task (docs/teacher-pools.md)")
     p.add_argument("--cross-tokenizer", action="store_true",
-                   help="a teacher of another tokenizer: the tiny demo's student against a tiny teacher on a byte-level "
-                        "BPE of its own (384 ids, other merges, the same special tokens), the teacher worker run with "
-                        "--cross-tokenizer; the report gives the held-out reverse KL on text, per completion and per "
-                        "byte (docs/learner.md)")
+                   help="a teacher of another tokenizer: the tiny demo's student against a tiny teacher on a "
+                        "byte-level BPE of its own (384 ids, other merges, the same special tokens), the teacher "
+                        "worker run with --cross-tokenizer; the report gives the held-out reverse KL on text, per "
+                        "completion and per byte (docs/learner.md)")
     p.add_argument("--out", type=Path, default=Path("demo-output"), metavar="DIR",
                    help="output directory: report.json, reverse_kl.png, metrics.jsonl, weights/, logs/; an "
                         "earlier run's are replaced")
