@@ -18,9 +18,6 @@ from pipeline.teacher.base import TeacherBackend, TeacherConfigError
 from pipeline.transport.keys import Keys, pool_stream
 from pipeline.transport.pools import register_pool
 from schemas import RolloutGroup
-
-if TYPE_CHECKING:
-    from pipeline.teacher.crossscore import CrossTokenizer
 from schemas.pools import pool_problem
 from workers.common import add_common_args, run_stage, shard_plan, standalone, stream_settings
 from workers.settings import (
@@ -32,6 +29,9 @@ from workers.settings import (
     scoring_config,
     vllm_engine_config,
 )
+
+if TYPE_CHECKING:
+    from pipeline.teacher.crossscore import CrossTokenizer
 
 __all__ = ["BACKENDS", "DTYPES", "add_arguments", "auto_or_positive", "main", "make_backend", "prepare", "serve"]
 
