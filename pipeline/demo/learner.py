@@ -193,7 +193,13 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
         held = Held()  # trained since the last checkpoint, not acknowledged
         while step < cfg.steps:
             t_wait = time.perf_counter()
-            b = learner.next_batch(cfg.batch_timeout_s)
+            b = learner.next_batch(HELD_WAIT_S if held.batches else cfg.batch_timeout_s)
+            if b is None and held.batches:
+                # the feeder may be waiting for these very acks (its ready-batch cap, or the batches stream's
+                # backlog cap, below checkpoint_every): checkpoint what it holds now rather than wait forever
+                log.info("checkpoint_early", held=len(held.batches), step=step, waited_s=HELD_WAIT_S)
+                held = held.settle(learner, ckpt_dir, student, opt, step, version)
+                b = learner.next_batch(cfg.batch_timeout_s)
             if b is None:
                 log.warning("no_batch", waited_s=cfg.batch_timeout_s, step=step + 1)
                 break
@@ -281,6 +287,11 @@ def restore(ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, learner: Le
         version = published + 1
     learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
     return ckpt, version, ckpt.step if ckpt is not None else 0
+
+
+#: How long a learner holding batches not yet checkpointed waits for the next one before it checkpoints them: a
+#: feeder whose cap on unacknowledged batches is below ``--checkpoint-every`` sends no more until they are acked.
+HELD_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,10 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
             # the learner is the slow stage: groups wait unsampled, not stale (the batches the learner holds
             # unacknowledged until its next checkpoint count against the cap)
             "--max-ready-batches", str(cfg.checkpoint_every),
-            "--consumer-name", "feeder-0")),
+            "--consumer-name", "feeder-0"),
+            # the feeder's cap is the smaller of the two: the namespace's backlog of 2 would hold back the
+            # batches a learner checkpointing every N > 2 steps holds
+            env={"DISTILLQ_MAX_BACKLOG": str(max(2, cfg.checkpoint_every))}),
         ProcSpec("learner", [*distillq_argv()[:2], "pipeline.demo.learner", "--student", str(student),
                              "--weights-dir", weights, "--steps", str(cfg.steps), "--lr", str(cfg.lr),
                              "--lr-decay", "linear", "--pg-weight", str(cfg.pg_weight),

@@ -140,3 +140,53 @@ def test_checkpoint_every_out_of_range_is_refused(tmp_path: Path, value: int) ->
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigurationError, match="--checkpoint-every must be at"):
         check_config(LearnerConfig(student=str(tmp_path), weights_dir=str(tmp_path), checkpoint_every=value))
+
+
+def test_a_feeder_capped_below_checkpoint_every_does_not_stall_the_learner(
+    tmp_path: Path, redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A feeder that sends at most one unacknowledged batch and a learner that checkpoints every 3 steps: the learner
+    would wait for a second batch the feeder sends only after the first is acked. It checkpoints what it holds
+    once the next batch is ``HELD_WAIT_S`` late, so every batch is trained, checkpointed and acknowledged."""
+    import threading
+
+    import pipeline.demo.learner as example
+    from pipeline.demo.tinymodels import ensure_tiny_models
+    from pipeline.models.weights import load_causal_lm
+
+    monkeypatch.setattr(example, "HELD_WAIT_S", 0.5)
+    student = ensure_tiny_models().student
+    vocab = int(load_causal_lm(student).config.vocab_size)
+    groups = 4
+
+    ready = threading.Event()
+    held: dict[str, Any] = {}
+
+    async def feed() -> None:
+        held["loop"], held["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        ready.set()
+        r = connect(RedisSettings(redis_url=redis_url))
+        try:
+            prod = StreamProducer(r, keys, "scored", fast())
+            for i in range(groups):
+                g = synthetic_rollout(2, 12, vocab=vocab, prompt_len=4, group_id=f"c{i:02d}", seed=i)
+                await prod.send(synthetic_scored(g, k=4, vocab=vocab, seed=i))
+            cfg = BatchingConfig(max_batch_groups=1, max_wait_s=0.0, max_staleness=1000)
+            await Feeder(r, keys, cfg, ConstantKL(0.1), fast(), max_ready_batches=1).run(held["stop"])
+        finally:
+            await r.aclose()
+
+    feeder = threading.Thread(target=asyncio.run, args=(feed(),), daemon=True)
+    feeder.start()
+    assert ready.wait(30)
+    try:
+        cfg = LearnerConfig(student=str(student), weights_dir=str(tmp_path / "w"), steps=groups, lr=1e-3,
+                            checkpoint_every=3, batch_timeout_s=20.0, redis_url=redis_url, namespace=keys.namespace)
+        records = train(cfg)
+    finally:
+        held["loop"].call_soon_threadsafe(held["stop"].set)
+        feeder.join(30)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert _checkpoint_step(tmp_path / "w" / "checkpoint") == groups
+    assert asyncio.run(_left(redis_url, keys)) == (0, 0)
