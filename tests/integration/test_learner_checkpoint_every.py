@@ -43,15 +43,24 @@ class Crash(Exception):
     pass
 
 
+#: One group a batch, sent at once, never stale.
+ONE_GROUP = BatchingConfig(max_batch_groups=1, max_wait_s=0.0, max_staleness=1000)
+
+
+async def _score(r: Any, keys: Keys, vocab: int, n: int, prefix: str) -> None:
+    """``n`` scored groups of 2 sequences on the ``scored`` stream."""
+    prod = StreamProducer(r, keys, "scored", fast())
+    for i in range(n):
+        g = synthetic_rollout(2, 12, vocab=vocab, prompt_len=4, group_id=f"{prefix}{i:02d}", seed=i)
+        await prod.send(synthetic_scored(g, k=4, vocab=vocab, seed=i))
+
+
 async def _write_batches(url: str, keys: Keys, vocab: int) -> None:
     r = connect(RedisSettings(redis_url=url))
     try:
-        prod = StreamProducer(r, keys, "scored", fast())
-        for i in range(BATCHES):
-            g = synthetic_rollout(2, 12, vocab=vocab, prompt_len=4, group_id=f"g{i:02d}", seed=i)
-            await prod.send(synthetic_scored(g, k=4, vocab=vocab, seed=i))
-        cfg = BatchingConfig(max_batch_groups=1, max_wait_s=0.0, max_staleness=1000)
-        await asyncio.wait_for(Feeder(r, keys, cfg, ConstantKL(0.1), fast()).run(asyncio.Event(), burst=True), 60)
+        await _score(r, keys, vocab, BATCHES, "g")
+        await asyncio.wait_for(Feeder(r, keys, ONE_GROUP, ConstantKL(0.1), fast()).run(asyncio.Event(), burst=True),
+                               60)
         assert await r.xlen(keys.stream("batches")) == BATCHES
     finally:
         await r.aclose()
@@ -167,12 +176,8 @@ def test_a_feeder_capped_below_checkpoint_every_does_not_stall_the_learner(
         ready.set()
         r = connect(RedisSettings(redis_url=redis_url))
         try:
-            prod = StreamProducer(r, keys, "scored", fast())
-            for i in range(groups):
-                g = synthetic_rollout(2, 12, vocab=vocab, prompt_len=4, group_id=f"c{i:02d}", seed=i)
-                await prod.send(synthetic_scored(g, k=4, vocab=vocab, seed=i))
-            cfg = BatchingConfig(max_batch_groups=1, max_wait_s=0.0, max_staleness=1000)
-            await Feeder(r, keys, cfg, ConstantKL(0.1), fast(), max_ready_batches=1).run(held["stop"])
+            await _score(r, keys, vocab, groups, "c")
+            await Feeder(r, keys, ONE_GROUP, ConstantKL(0.1), fast(), max_ready_batches=1).run(held["stop"])
         finally:
             await r.aclose()
 
