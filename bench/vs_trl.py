@@ -63,6 +63,7 @@ class Setup:
     max_ahead: int | None = None  # rollout pacing (versions ahead); --on-policy sets 0 with a staleness bound of 0
     pg_weight: float = 0.0
     checkpoint_every: int = 1
+    learner_threads: int | None = None  # distillq's learner's torch threads (None: 1, as its other processes)
     trl_threads: int = 2
     timeout_s: float = 3600.0
     seed: int = 0
@@ -153,7 +154,7 @@ def run_distillq(setup: Setup, student: Path, teacher: Path, out: Path) -> tuple
                              group_size=GROUP_SIZE, groups_per_batch=setup.groups_per_step, max_tokens=setup.max_new,
                              lr=setup.lr, timeout_s=setup.timeout_s, evaluate=False, top_k=setup.top_k,
                              max_staleness=setup.max_staleness, max_ahead=setup.max_ahead, pg_weight=setup.pg_weight,
-                             checkpoint_every=setup.checkpoint_every)
+                             checkpoint_every=setup.checkpoint_every, learner_threads=setup.learner_threads)
         enqueue(cfg)
         t0 = time.perf_counter()
         result = run_pipeline(cfg, student, teacher, console)
@@ -304,6 +305,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, Path]:
                         "staleness bound 0)")
     p.add_argument("--pg-weight", type=float, default=Setup.pg_weight,
                    help="distillq: the policy-gradient term's weight beside the top-k forward KL (0)")
+    p.add_argument("--max-ahead", type=int, help="distillq: rollout pacing, versions ahead of the learner (none)")
+    p.add_argument("--learner-threads", type=int, help="distillq: the learner's torch threads (1)")
     p.add_argument("--checkpoint-every", type=int, default=Setup.checkpoint_every,
                    help="distillq: the learner checkpoints every N steps (1)")
     p.add_argument("--timeout", type=float, default=Setup.timeout_s, help="distillq's time budget, seconds")
@@ -319,6 +322,9 @@ def parse(argv: list[str] | None) -> tuple[Setup, Path]:
     setup.trl_beta, setup.timeout_s = a.trl_beta, a.timeout
     setup.top_k, setup.max_staleness, setup.pg_weight = a.top_k, a.max_staleness, a.pg_weight
     setup.checkpoint_every = a.checkpoint_every
+    setup.learner_threads = a.learner_threads
+    if a.max_ahead is not None:
+        setup.max_ahead = a.max_ahead
     if a.on_policy:
         setup.max_staleness, setup.max_ahead = 0, 0
     if a.task_prompts is not None:

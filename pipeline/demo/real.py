@@ -55,6 +55,7 @@ class RealDemoConfig:
     timeout_s: float = 1800.0
     device: str = "cpu"
     threads: int = 1
+    learner_threads: int | None = None  # the learner's torch threads (None: ``threads``, as every process)
     evaluate: bool = True  # False: the learner evaluates nothing (bench.vs_trl evaluates the published weights)
     checkpoint_every: int = 1  # the learner's --checkpoint-every; the feeder's ready-batch cap follows it
     weights_url: str | None = None  # redis:// or s3:// (docs/weights.md): the weights there, not in out/weights
@@ -88,8 +89,17 @@ def process_specs(cfg: RealDemoConfig, student: Path, teacher: Path) -> list[Pro
                              "--checkpoint-every", str(cfg.checkpoint_every), *checkpoint,
                              *evaluation_args(cfg, teacher),
                              "--device", cfg.device, "--metrics-file",
-                             str(cfg.out / "metrics.jsonl"), "--batch-timeout", "300"], restart=False),
+                             str(cfg.out / "metrics.jsonl"), "--batch-timeout", "300"], restart=False,
+                 env=learner_env(cfg)),
     ]
+
+
+def learner_env(cfg: RealDemoConfig) -> dict[str, str]:
+    """The learner's thread count where it differs from every process's."""
+    if cfg.learner_threads is None:
+        return {}
+    n = str(cfg.learner_threads)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
 def pacing_args(cfg: RealDemoConfig) -> list[str]:

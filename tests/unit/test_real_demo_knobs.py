@@ -27,3 +27,12 @@ def test_one_change_flags() -> None:
         0, 0, 128, 0.5, 4)
     default, _ = parse([])
     assert (default.max_staleness, default.max_ahead, default.top_k) == (3, None, 64)
+
+
+def test_learner_threads_reach_the_learner_only(tmp_path: Path) -> None:
+    specs = {s.name: s for s in process_specs(RealDemoConfig(redis_url="redis://x", out=tmp_path, learner_threads=2),
+                                              Path("/s"), Path("/t"))}
+    assert specs["learner"].env["OMP_NUM_THREADS"] == "2"
+    assert "OMP_NUM_THREADS" not in specs["rollout-0"].env
+    setup, _ = parse(["--learner-threads", "2", "--max-ahead", "1"])
+    assert (setup.learner_threads, setup.max_ahead, setup.max_staleness) == (2, 1, 3)
