@@ -36,22 +36,30 @@ def _chunks(q_last: npt.NDArray[Any], last: npt.NDArray[Any], student: npt.NDArr
     """Per-token ``q_c - s_c`` (0 outside ``mask`` and in chunks without signal), the sum of ``s_c - q_c`` over
     chunks with signal, and their trained tokens."""
     n = last.shape[0]
-    last = last.astype(np.bool_)
     m = np.asarray(mask).astype(np.bool_)
-    ids: npt.NDArray[np.int64] = np.cumsum(last) - last
+    q_last = np.asarray(q_last, np.float32)
+    ids, signal, known = _index(q_last, last)
     s = np.where(m, np.asarray(student, np.float32), np.float32(0.0))
     s_c = np.zeros(n, np.float32)
     np.add.at(s_c, ids, s)  # float32 sums, as the torch implementation's scatter_add
-    q_last = np.asarray(q_last, np.float32)
-    signal = last & ~np.isnan(q_last)
     q_c = np.zeros(n, np.float32)
     q_c[ids[signal]] = q_last[signal]
-    known = np.zeros(n, np.bool_)
-    known[ids[signal]] = True
     diff = np.where(known, q_c - s_c, np.float32(0.0))
     adv = np.where(m, diff[ids], np.float32(0.0)).astype(np.float32)
     in_signal = m & known[ids]
     return adv, float((s_c[known] - q_c[known]).sum(dtype=np.float64)), int(in_signal.sum())
+
+
+def _index(q_last: npt.NDArray[Any], last: npt.NDArray[Any]) -> tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """Each position's chunk index, where a chunk with teacher signal ends (``last`` and ``q_last`` not ``nan``),
+    and per chunk index whether that chunk has signal."""
+    ends = np.asarray(last).astype(np.bool_)
+    ids: npt.NDArray[np.int64] = np.cumsum(ends) - ends
+    signal = ends & ~np.isnan(q_last)
+    known = np.zeros(ends.shape[0], np.bool_)
+    known[ids[signal]] = True
+    return ids, signal, known
 
 
 def dense(seq: Sequence, t: TeacherPayload) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_]]:
@@ -96,10 +104,7 @@ def cross_shares(seqs: list[Sequence], payloads: list[TeacherPayload]) -> tuple[
             continue
         q, last = dense(seq, t)
         m = seq.loss_mask.numpy().astype(np.bool_)
-        ids: npt.NDArray[np.int64] = np.cumsum(last) - last
-        known = np.zeros(seq.length, np.bool_)
-        signal = last & ~np.isnan(q)
-        known[ids[signal]] = True
+        ids, _, known = _index(q, last)
         trained += int(m.sum())
         aligned += int((m & known[ids]).sum())
         mapped = t.topk_mapped.numpy().astype(np.bool_)
