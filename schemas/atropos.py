@@ -58,7 +58,7 @@ from schemas.atropos_values import (
     _rename,
 )
 from schemas.build import make_sequence, make_teacher, no_teacher_reason
-from schemas.messages import DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
+from schemas.messages import CHUNK_LAST, DistillStatus, RolloutGroup, ScoredGroup, TeacherPayload
 from schemas.pools import pool_of, pool_problem
 from schemas.validate import DecodeError, Limits, validate
 
@@ -413,10 +413,6 @@ def _distill(scored: ScoredGroup, toks: list[npt.NDArray[np.generic]]) -> tuple[
     return all_ids, all_lps
 
 
-#: ``chunk_last`` of a cross-tokenizer payload's row ending a chunk with teacher signal (``schemas.messages``).
-_CHUNK_LAST: Final = 1
-
-
 def _cross_entries(t: TeacherPayload, tok: npt.NDArray[np.generic]) -> tuple[list[Any], list[Any]]:
     """A cross-tokenizer payload in the reference layout, one sequence: entries only where the teacher's view of
     the next student token is per token. At a row with mapped top-k slots whose token is among them, the mapped
@@ -441,7 +437,7 @@ def _cross_entries(t: TeacherPayload, tok: npt.NDArray[np.generic]) -> tuple[lis
             h = m_ids.index(label)
             e_ids[r + 1] = [label, *m_ids[:h], *m_ids[h + 1 :]]
             e_lps[r + 1] = [m_lps[h], *m_lps[:h], *m_lps[h + 1 :]]
-        elif first and last[j] == _CHUNK_LAST:
+        elif first and last[j] == CHUNK_LAST:
             e_ids[r + 1], e_lps[r + 1] = [label, *m_ids], [sampled[j], *m_lps]
     return e_ids, e_lps
 

@@ -62,6 +62,9 @@ from schemas.arrays import Array
 SCHEMA_VERSION: Final = 3
 #: The schema every message is stamped with unless it carries a cross-tokenizer payload.
 BASE_SCHEMA: Final = 2
+#: ``TeacherPayload.chunk_last`` values: inside an aligned chunk, its last token (the teacher's chunk logprob in
+#: ``sampled_logprobs``), the last token of a chunk with no teacher signal.
+CHUNK_INSIDE, CHUNK_LAST, CHUNK_NO_SIGNAL = 0, 1, 2
 
 
 class DistillStatus(enum.Enum):

@@ -48,12 +48,10 @@ from pipeline.teacher.crosstok import (
 )
 from schemas.arrays import UINT8, Array
 from schemas.build import make_teacher
-from schemas.messages import TeacherPayload
+from schemas.messages import CHUNK_LAST, CHUNK_NO_SIGNAL, TeacherPayload
 
 #: The logprob of an empty top-k slot (readers ignore it; it only has to be a valid logprob).
 EMPTY_LOGPROB: Final = -100.0
-#: ``chunk_last`` values (see ``schemas.messages.TeacherPayload``).
-INSIDE, LAST, NO_SIGNAL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -145,7 +143,7 @@ class CrossPlan:
         dense[req_rows.astype(np.int64) + 1 - self.offset] = res.sampled_logprobs
         chunk_lp = chunk_logprobs(self.alignment, dense)
         sampled = np.zeros(r, np.float32)
-        last = self.chunk_last == LAST
+        last = self.chunk_last == CHUNK_LAST
         sampled[last] = chunk_lp[self.last_chunk[last]]
         ids = np.zeros((r, k), np.int32)
         lps = np.full((r, k), EMPTY_LOGPROB, np.float32)
@@ -182,7 +180,7 @@ class CrossPlan:
         if not self.rows.shape[0]:
             return 0
         signal = np.zeros(self.alignment.chunks, np.bool_)
-        signal[self.last_chunk[self.chunk_last == LAST]] = True
+        signal[self.last_chunk[self.chunk_last == CHUNK_LAST]] = True
         return int(signal[self.chunk_of_rows()].sum())
 
     def chunk_of_rows(self) -> npt.NDArray[np.int64]:
@@ -221,7 +219,7 @@ def convert(tokens: npt.NDArray[Any], loss_mask: npt.NDArray[Any], k: int, cross
     last_row = a.student[trained_idx, 1] - 2  # the row predicting each trained chunk's last token
     j = np.searchsorted(rows, last_row)
     has_teacher = a.teacher[trained_idx, 1] > a.teacher[trained_idx, 0]
-    chunk_last[j] = np.where(has_teacher, LAST, NO_SIGNAL)
+    chunk_last[j] = np.where(has_teacher, CHUNK_LAST, CHUNK_NO_SIGNAL)
     last_chunk[j] = trained_idx
     starts = a.boundary_starts(n)[rows.astype(np.int64) + 1]
     if starts.shape[0] and r.teacher_skip.shape[0]:

@@ -19,13 +19,13 @@ from pipeline.demo.tinymodels import build_tokenizer, corpus
 from pipeline.stages.batching import BatchingConfig, Pending, build_batch, materialize
 from pipeline.stages.scoring import Scorer, ScoringConfig
 from pipeline.teacher.base import ScoreOutcome, ScoreRequest, ScoreResult
-from pipeline.teacher.crossscore import LAST, NO_SIGNAL, CrossTokenizer
+from pipeline.teacher.crossscore import CrossTokenizer
 from pipeline.teacher.vocab import VocabMismatchError, check_same_vocab
 from pipeline.transport.claimcheck import header_of
 from schemas import DistillStatus, Limits, RolloutGroup, ScoredGroup, crosschunks, decode, encode
 from schemas.arrays import FLOAT16, UINT8, Array
 from schemas.build import make_sequence
-from schemas.messages import BASE_SCHEMA, SCHEMA_VERSION, TeacherPayload
+from schemas.messages import BASE_SCHEMA, CHUNK_LAST, CHUNK_NO_SIGNAL, SCHEMA_VERSION, TeacherPayload
 from schemas.validate import DecodeError, validate_teacher_part
 
 TEACHER_SPECIALS = ["<|endoftext|>", "<s>", "</s>", "<|user|>", "<|assistant|>"]  # no <|tool|>
@@ -185,16 +185,16 @@ def test_every_trained_row_is_held_and_each_trained_span_ends_a_chunk(
         assert t.rows.numpy().tolist() == [r for r in range(len(toks) - 1) if mask[r + 1]]
         last = dict(zip(t.rows.numpy().tolist(), t.chunk_last.numpy().tolist(), strict=True))
         for _, end in spans:
-            assert last[end - 2] in (LAST, NO_SIGNAL)
+            assert last[end - 2] in (CHUNK_LAST, CHUNK_NO_SIGNAL)
         sampled = t.sampled_logprobs.numpy()
         cl = t.chunk_last.numpy()
-        assert (sampled[cl != LAST] == 0.0).all() and (sampled[cl == LAST] < 0).all()
+        assert (sampled[cl != CHUNK_LAST] == 0.0).all() and (sampled[cl == CHUNK_LAST] < 0).all()
     # the student-only <|tool|> inside the answer: a chunk of its own with no signal, its advantage 0
     toks, _, _ = conversation(student, tool_in_answer=True)
     p = toks.index(student.convert_tokens_to_ids("<|tool|>"), conversation(student)[2][1][0])
     t = special.teacher[0]  # type: ignore[index]
     j = t.rows.numpy().tolist().index(p - 1)  # type: ignore[union-attr]
-    assert t.chunk_last.numpy()[j] == NO_SIGNAL  # type: ignore[union-attr]
+    assert t.chunk_last.numpy()[j] == CHUNK_NO_SIGNAL  # type: ignore[union-attr]
     adv = materialize(manifest([special]), [special]).advantages[0].numpy()
     assert adv[p] == 0.0 and (adv[np.array(conversation(student)[1] + [0]) > 0] != 0).any()
 
@@ -268,7 +268,7 @@ def test_a_byte_that_is_not_utf8_is_scored_as_the_teachers_byte_token(
     assert req[at:] == [byte_c3, teacher_tok.eos_token_id]
     t = g.teacher[0]  # type: ignore[index]
     row = t.rows.numpy().tolist().index(p - 1)  # type: ignore[union-attr]
-    assert t.chunk_last.numpy()[row] == LAST  # type: ignore[union-attr]
+    assert t.chunk_last.numpy()[row] == CHUNK_LAST  # type: ignore[union-attr]
     # the byte's chunk: the teacher's logprob of its byte token after the token before it (a one-token chunk here)
     assert float(t.sampled_logprobs.numpy()[row]) == pytest.approx(float(teacher.logp[req[at - 1], byte_c3]),
                                                                    abs=1e-5)
@@ -326,14 +326,14 @@ def test_validation_accepts_cross_payloads_and_names_the_field_of_a_bad_one(
     three[0] = 3
     rejects(with_field(g, chunk_last=u8(three)), ".chunk_last")
     inside = last.copy()
-    inside[np.flatnonzero(last == LAST)[-1]] = 0  # the last trained row is inside a chunk: not the end of a span
+    inside[np.flatnonzero(last == CHUNK_LAST)[-1]] = 0  # the last trained row is inside a chunk: not the end of a span
     sampled_fixed = sampled.copy()
-    sampled_fixed[np.flatnonzero(last == LAST)[-1]] = 0.0
+    sampled_fixed[np.flatnonzero(last == CHUNK_LAST)[-1]] = 0.0
     from schemas.arrays import FLOAT32
     rejects(with_field(g, chunk_last=u8(inside), sampled_logprobs=Array.from_numpy(sampled_fixed, FLOAT32)),
             ".chunk_last")
     stray = sampled.copy()
-    stray[np.flatnonzero(last != LAST)[0]] = -0.5
+    stray[np.flatnonzero(last != CHUNK_LAST)[0]] = -0.5
     rejects(with_field(g, sampled_logprobs=Array.from_numpy(stray, FLOAT32)), ".sampled_logprobs")
     row = int(np.flatnonzero(mapped.any(axis=1) & ~mapped.all(axis=1))[0])
     flipped = mapped.copy()
@@ -381,11 +381,11 @@ def test_feeder_chunk_advantages_equal_the_learners_and_the_header_kl_is_per_chu
         rows = t.rows.numpy()  # type: ignore[union-attr]
         assert tb.chunk_last[b, rows].numpy().tolist() == t.chunk_last.numpy().tolist()  # type: ignore[union-attr]
         assert int(tb.chunk_last[b].sum()) == int(t.chunk_last.numpy().astype(int).sum())  # type: ignore[union-attr]
-        q_c = torch.where(tb.chunk_last[b] == NO_SIGNAL, torch.nan, tb.teacher_sampled_logprobs[b])
+        q_c = torch.where(tb.chunk_last[b] == CHUNK_NO_SIGNAL, torch.nan, tb.teacher_sampled_logprobs[b])
         mine = chunk_reverse_kl_advantages(q_c[None], tb.chunk_last[b][None], tb.student_logprobs[b][None],
                                            tb.loss_mask[b][None], coef=0.7)[0]
         np.testing.assert_allclose(mine.numpy(), tb.advantages[b].numpy(), atol=1e-6)
-    assert (tb.chunk_last.numpy() == NO_SIGNAL).sum() == 2  # the student-only <|tool|> in group h's two sequences
+    assert (tb.chunk_last.numpy() == CHUNK_NO_SIGNAL).sum() == 2  # the student-only <|tool|> in group h's two sequences
     # the KL of the header: sum over chunks with signal of s_c - q_c, and the trained tokens in them
     total = n_tok = 0.0
     for g, i, s in seqs[:2]:
@@ -513,4 +513,4 @@ def test_a_sentencepiece_teacher_gives_no_top_k_where_its_token_carries_the_spac
     skipped = set((np.flatnonzero(r.teacher_skip > 0) + plan.offset - 1).tolist())  # rows predicting such tokens
     looked_up = set(plan.request.rows[plan.topk_at[plan.topk_at >= 0]].tolist())  # type: ignore[index]
     assert skipped and looked_up and not (skipped & looked_up)
-    assert int((plan.chunk_last == LAST).sum()) > 0
+    assert int((plan.chunk_last == CHUNK_LAST).sum()) > 0
