@@ -43,7 +43,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -251,10 +250,14 @@ def _encode_bytes(raw: bytes, teacher: Any, vocab: VocabBytes) -> tuple[list[int
     return ids, lens, skips, fallback
 
 
-def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
-               teacher_vocab: VocabBytes) -> Retokenized:
-    """The teacher's tokenization of the student's completion ``student_ids`` (see the module's rules)."""
+def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any, teacher_vocab: VocabBytes,
+               loss_mask: Sequence[int] | npt.NDArray[np.generic] | None = None) -> Retokenized:
+    """The teacher's tokenization of the student's completion ``student_ids`` (see the module's rules); with
+    ``loss_mask`` ``[L]``, text segments are also cut at every change of the mask."""
     ids = [int(t) for t in student_ids]
+    mask = None if loss_mask is None else np.asarray(loss_mask).astype(np.bool_)
+    if mask is not None and mask.shape != (len(ids),):
+        raise ValueError(f"loss_mask has shape {mask.shape}, expected ({len(ids)},)")
     s_len = np.zeros(len(ids), dtype=np.int64)
     t_ids: list[int] = []
     t_len: list[int] = []
@@ -277,7 +280,7 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any,
             i += 1
             continue
         end = i
-        while end < len(ids) and ids[end] not in student.special:
+        while end < len(ids) and ids[end] not in student.special and (mask is None or mask[end] == mask[i]):
             end += 1
         enc, lens, skips, fallback = _encode_bytes(_text(ids[i:end], student), teacher, teacher_vocab)
         s_len[i:end] = [len(student.pieces[t] or b"") for t in ids[i:end]]
@@ -296,36 +299,8 @@ def retokenize_sequence(student_ids: Sequence[int], loss_mask: Sequence[int] | n
                         student: VocabBytes, teacher: Any, teacher_vocab: VocabBytes) -> Retokenized:
     """``retokenize`` over a whole sequence (prompt, completions, later turns): the ids are also cut at every
     ``loss_mask`` transition, so each trained span starts and ends on a boundary of both tokenizations and no
-    aligned chunk straddles trained and untrained tokens. Each run of equal mask is retokenized on its own
-    (its text segments encoded apart) and the runs are concatenated."""
-    ids = [int(t) for t in student_ids]
-    mask = np.asarray(loss_mask).astype(np.bool_)
-    if mask.shape != (len(ids),):
-        raise ValueError(f"loss_mask has shape {mask.shape}, expected ({len(ids)},)")
-    cuts = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), len(ids)] if ids else [0]
-    t_ids: list[npt.NDArray[np.int32]] = []
-    s_len: list[npt.NDArray[np.int64]] = []
-    t_len: list[npt.NDArray[np.int64]] = []
-    t_skip: list[npt.NDArray[np.int64]] = []
-    t_fallback: list[npt.NDArray[np.bool_]] = []
-    parts: list[tuple[tuple[int, int], tuple[int, int], bool]] = []
-    t_off = 0
-    for a, b in pairwise(cuts):
-        r = retokenize(ids[a:b], student, teacher, teacher_vocab)
-        t_ids.append(r.teacher_ids)
-        s_len.append(r.student_len)
-        t_len.append(r.teacher_len)
-        t_skip.append(r.teacher_skip)
-        t_fallback.append(r.teacher_fallback)
-        parts += [((a + s0, a + s1), (t_off + t0, t_off + t1), is_text)
-                  for (s0, s1), (t0, t1), is_text in r.parts]
-        t_off += len(r.teacher_ids)
-
-    def cat(xs: list[Any], dtype: Any) -> Any:
-        return np.concatenate(xs).astype(dtype, copy=False) if xs else np.zeros(0, dtype)
-
-    return Retokenized(cat(t_ids, np.int32), cat(s_len, np.int64), cat(t_len, np.int64), parts,
-                       cat(t_skip, np.int64), cat(t_fallback, np.bool_))
+    aligned chunk straddles trained and untrained tokens (each run of equal mask is encoded apart)."""
+    return retokenize(student_ids, student, teacher, teacher_vocab, loss_mask=loss_mask)
 
 
 @dataclass(frozen=True)
