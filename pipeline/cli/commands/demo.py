@@ -184,15 +184,6 @@ def each_teacher(summary: dict[str, object], student: Path, pools: dict[str, Pat
     return teachers.plot(rows, out / "reverse_kl.png")
 
 
-def cross_pair(tiny: TinyModels) -> TinyModels:
-    """``demo --cross-tokenizer``: the tiny models with the student ``ensure_cross_models`` names (the plain demo's)."""
-    from dataclasses import replace
-
-    from pipeline.demo.crosstok_demo import ensure_cross_models
-
-    return replace(tiny, student=ensure_cross_models().student)
-
-
 def heldout_on_text(student: Path, teacher: Path, console: Console) -> TextKL:
     """``demo --cross-tokenizer``: the text-level held-out reverse KL of the student in ``student`` to ``teacher``."""
     from pipeline.demo.crosstok_demo import heldout_text_kl
@@ -300,8 +291,6 @@ def main(args: argparse.Namespace) -> int:
         with console.status("building tiny models (cached after the first run)..."):
             tiny = ensure_tiny_models()
         teacher, pools = pretrained(tiny, args.teachers, console, cross=args.cross_tokenizer)
-        if args.cross_tokenizer:
-            tiny = cross_pair(tiny)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: "
                       + (", ".join(f"teacher {p} {d}" for p, d in pools.items()) if pools else f"teacher {teacher}")
                       + f", student {tiny.student}")
