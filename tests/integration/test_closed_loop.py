@@ -5,7 +5,8 @@ against a real redis-server. The demo's tiny pretrained teacher and student (``d
 Over ``STEPS`` learner steps it checks that every group trained on was sampled within the feeder's
 ``--max-staleness`` of the learner's version at that step; that every group's recorded student logprobs equal
 a transformers forward of the published weights of the version it is tagged with; that the held-out reverse
-KL falls by half at least. Faults, in the same run: a half-written checkpoint
+KL falls by half at least (the feeder waits for full batches, so the samples trained do not depend on how fast the
+machine samples). Faults, in the same run: a half-written checkpoint
 folder that ``LATEST`` names is planted
 (never loaded); one learner rank is killed with SIGKILL in the middle of a step (the group is restarted; the
 batch comes back to both ranks and is trained once); the vLLM server is killed with SIGKILL while a reload
@@ -44,6 +45,7 @@ MAX_STALENESS = 3  # the demo feeder's --max-staleness
 HOLD_AT = 6  # rank 1 is killed in the middle of this step
 VLLM_KILL_AFTER = 12  # the vLLM server is killed during the first reload after this learner step
 BAD_VERSION = 99_999
+FULL_BATCH_WAIT_S = 60.0  # the feeder waits this long for a full batch (the demo: 0.5 s)
 TOL = 1e-4
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,6 +133,10 @@ class Loop:
         env = worker_env(cfg)
         specs = [s for s in process_specs(cfg, self.student, teacher) if s.name != "learner"]
         rollout = next(s for s in specs if s.name == "rollout-0")
+        feeder = next(s for s in specs if s.name == "feeder")
+        # Full batches (the demo's 4 groups): how far the KL falls in STEPS steps then depends on the samples
+        # trained, not on how fast this machine samples (a loaded one flushed partial batches of 1-2 groups).
+        feeder.argv[feeder.argv.index("--max-wait") + 1] = str(FULL_BATCH_WAIT_S)
         at = rollout.argv.index("--url") + 1
         self.sup = Supervisor(specs, out / "logs", base_env=env)
         self.server = next(p for p in self.sup.procs if p.spec.name == "vllm-student")
