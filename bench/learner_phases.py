@@ -9,6 +9,8 @@ with ``--checkpoint-every 1`` (the default: model and AdamW state, about 1.5 GB 
 written and synced every step) and with ``--checkpoint-every N``. Weights are published every step in both. Prints
 and writes (``--out``/phases.json) the mean seconds of each phase per step from the learner's own records
 (``forward_backward_s``, ``optimizer_s``, ``checkpoint_s``, ``publish_s``, ``wait_s``) and the seconds per step.
+Then the loss's forward and backward alone, the example learner's (one pass over the lm_head for both losses)
+against the two losses each with its own pass, alternated ``--head-reps`` times on one batch (median seconds, ratio).
 The default model is the real pair's student (``pipeline.demo.realpair``).
 """
 
@@ -20,6 +22,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,52 @@ def measure(model: Path, steps: int, every: int, groups: int, url: str, work: Pa
     return out
 
 
+def head_passes(model: Path, groups: int, reps: int) -> dict[str, Any]:
+    """The example learner's loss forward and backward (``step_losses``: one pass over the lm_head for both
+    losses) against the same two losses each with its own pass (``chunked.token_logprobs`` and
+    ``chunked.topk_forward_kl``), alternated on one synthetic batch: median seconds of each and their ratio."""
+    import numpy as np
+
+    from pipeline.demo.learner import step_losses
+    from pipeline.learner import losses
+    from pipeline.learner.chunked import token_logprobs, topk_forward_kl
+    from pipeline.learner.torch_batch import to_torch
+    from pipeline.models.weights import load_causal_lm
+    from schemas import TrainBatch
+    from schemas.arrays import Array
+    from schemas.build import synthetic_rollout, synthetic_scored
+
+    student = load_causal_lm(model).train()
+    vocab = int(student.config.vocab_size)
+    scored = [synthetic_scored(synthetic_rollout(4, 60, vocab=vocab, prompt_len=24, group_id=f"g{i}", seed=i), k=64,
+                               vocab=vocab, seed=i) for i in range(groups)]
+    adv = [Array.from_numpy(np.zeros(s.length, np.float32)) for g in scored for s in g.group.sequences]
+    tb = to_torch(TrainBatch(batch_id="b", groups=scored, advantages=adv))
+
+    def one() -> None:
+        _, pg, kd = step_losses(student, tb, 0.2)
+        (pg + kd).backward()  # type: ignore[no-untyped-call]
+
+    def two() -> None:
+        hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
+        h, w = hidden.last_hidden_state[:, :-1], student.get_output_embeddings().weight
+        new = token_logprobs(h, w, tb.labels, tb.loss_mask)
+        pg = losses.importance_sampled_pg_loss(new, tb.student_logprobs, tb.advantages, tb.loss_mask, 0.2)
+        (pg + topk_forward_kl(h, w, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask)).backward()  # type: ignore[no-untyped-call]
+
+    times: dict[str, list[float]] = {"one_pass_s": [], "two_passes_s": []}
+    for _ in range(reps):
+        for name, fn in (("one_pass_s", one), ("two_passes_s", two)):
+            student.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    out["ratio"] = round(out["one_pass_s"] / out["two_passes_s"], 3)
+    out["reps"] = reps
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -78,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=4, help="the --checkpoint-every compared with 1")
     p.add_argument("--groups", type=int, default=2, help="groups of 4 completions a batch")
     p.add_argument("--model", type=Path, help="the student folder (default: the real pair's student)")
+    p.add_argument("--head-reps", type=int, default=5, help="repetitions of the one-pass/two-pass loss comparison")
     p.add_argument("--out", type=Path, default=Path("bench-out/learner-phases"))
     a = p.parse_args(argv)
     info = run_info()
@@ -96,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--checkpoint-every {every}: {report[f'every_{every}']}", flush=True)
     finally:
         embedded.stop()
+    report["loss_head_passes"] = head_passes(a.model, a.groups, a.head_reps)
+    print(f"loss forward+backward, one lm_head pass vs two: {report['loss_head_passes']}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "phases.json").write_text(json.dumps(report, indent=2))
     return 0

@@ -49,10 +49,10 @@ from pipeline.errors import ConfigurationError
 from pipeline.flags import Flag, FlagSettings, HelpFormatter, add_flags, from_args
 from pipeline.learner import losses
 from pipeline.learner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from pipeline.learner.chunked import token_logprobs, topk_forward_kl
+from pipeline.learner.chunked import gather_logprobs
 from pipeline.learner.client import Learner, LearnerBatch
 from pipeline.learner.teacher_weights import parse_teacher_weights, weigh
-from pipeline.learner.torch_batch import to_torch
+from pipeline.learner.torch_batch import TorchBatch, to_torch
 from pipeline.models.weights import load_causal_lm
 from pipeline.stages.exits import run_command
 from pipeline.weightstore.stores import is_url
@@ -310,21 +310,11 @@ class StepFigures:
 
 def train_step(student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: LearnerConfig) -> StepFigures:
     """One step on ``batch``: IS policy gradient (PPO-clipped at ``cfg.clip``) on the reverse-KL advantages plus
-    top-k forward KL.
-
-    The chunked losses (``pipeline.learner.chunked``): from the base model's hidden states and the lm_head,
-    so no ``[B, N, V]`` logits exist at any vocabulary size.
-    """
+    top-k forward KL (``step_losses``), the gradient norm clipped at 1, the optimizer's update."""
     t0 = time.perf_counter()
     tb = weigh(to_torch(batch, device=next(student.parameters()).device), batch,
                parse_teacher_weights(cfg.teacher_weight))  # each teacher pool's share of the loss
-    hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
-    h, head = hidden.last_hidden_state[:, :-1], student.get_output_embeddings()
-    # the chunked importance_sampled_pg_loss, with the trainer's logprobs kept for the sampler-trainer figures
-    new = token_logprobs(h, head.weight, tb.labels, tb.loss_mask, bias=head.bias)
-    pg = losses.importance_sampled_pg_loss(new, tb.student_logprobs, tb.advantages, tb.loss_mask, cfg.clip)
-    kd = topk_forward_kl(h, head.weight, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask,
-                         mode="tail", bias=head.bias)
+    new, pg, kd = step_losses(student, tb, cfg.clip)
     loss = cfg.pg_weight * pg + cfg.kd_weight * kd
     opt.zero_grad()
     loss.backward()  # type: ignore[no-untyped-call]
@@ -335,6 +325,25 @@ def train_step(student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg:
     ratio_kl, clip_frac = sampler_drift(new.detach(), tb.student_logprobs, tb.loss_mask, cfg.clip)
     return StepFigures(float(loss.detach()), float(pg.detach()), float(kd.detach()),  # float() of a grad tensor warns
                        ratio_kl, clip_frac, t1 - t0, t2 - t1)
+
+
+def step_losses(student: Any, tb: TorchBatch, clip: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the trainer's logprobs of the sampled tokens ``[B, T-1]``, the policy-gradient loss, the top-k forward KL
+    with a tail bucket), each loss the mean over its mask.
+
+    The chunked losses (``pipeline.learner.chunked``): from the base model's hidden states and the lm_head, in one
+    pass over the head for both (the sampled token's id and the teacher's top-k ids gathered together at every
+    position either loss trains), so no ``[B, N, V]`` logits exist at any vocabulary size.
+    """
+    hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
+    h, head = hidden.last_hidden_state[:, :-1], student.get_output_embeddings()
+    ids = torch.cat([tb.labels[..., None], tb.teacher_topk_ids.long()], -1)
+    lp = gather_logprobs(h, head.weight, ids, torch.maximum(tb.loss_mask, tb.distill_mask), bias=head.bias)
+    new = lp[..., 0]
+    pg = losses.importance_sampled_pg_loss(new, tb.student_logprobs, tb.advantages, tb.loss_mask, clip)
+    kd = losses.reduce_masked(
+        losses.topk_forward_kl_from_logprobs(lp[..., 1:], tb.teacher_topk_logprobs, "tail"), tb.distill_mask)
+    return new, pg, kd
 
 
 def sampler_drift(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, clip: float | None) -> tuple[float, float]:
