@@ -10,7 +10,9 @@ written and synced every step) and with ``--checkpoint-every N``. Weights are pu
 and writes (``--out``/phases.json) the mean seconds of each phase per step from the learner's own records
 (``forward_backward_s``, ``optimizer_s``, ``checkpoint_s``, ``publish_s``, ``wait_s``) and the seconds per step.
 Then the loss's forward and backward alone, the example learner's (one pass over the lm_head for both losses)
-against the two losses each with its own pass, alternated ``--head-reps`` times on one batch (median seconds, ratio).
+against the two losses each with its own pass, alternated ``--head-reps`` times on one batch (median seconds, ratio);
+and the same forward and backward alone, beside a thread writing checkpoints in a loop, and beside a process doing
+so: whether writing a step's checkpoint while the next step computes would hide its cost on this machine.
 The default model is the real pair's student (``pipeline.demo.realpair``).
 """
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +75,11 @@ def measure(model: Path, steps: int, every: int, groups: int, url: str, work: Pa
     return out
 
 
-def head_passes(model: Path, groups: int, reps: int) -> dict[str, Any]:
-    """The example learner's loss forward and backward (``step_losses``: one pass over the lm_head for both
-    losses) against the same two losses each with its own pass (``chunked.token_logprobs`` and
-    ``chunked.topk_forward_kl``), alternated on one synthetic batch: median seconds of each and their ratio."""
+def _student_and_batch(model: Path, groups: int) -> tuple[Any, Any]:
+    """The student (train mode) and a synthetic batch as tensors: ``groups`` groups of 4 completions of 60 tokens,
+    36 of them trained, teacher top-64."""
     import numpy as np
 
-    from pipeline.demo.learner import step_losses
-    from pipeline.learner import losses
-    from pipeline.learner.chunked import token_logprobs, topk_forward_kl
     from pipeline.learner.torch_batch import to_torch
     from pipeline.models.weights import load_causal_lm
     from schemas import TrainBatch
@@ -91,11 +91,29 @@ def head_passes(model: Path, groups: int, reps: int) -> dict[str, Any]:
     scored = [synthetic_scored(synthetic_rollout(4, 60, vocab=vocab, prompt_len=24, group_id=f"g{i}", seed=i), k=64,
                                vocab=vocab, seed=i) for i in range(groups)]
     adv = [Array.from_numpy(np.zeros(s.length, np.float32)) for g in scored for s in g.group.sequences]
-    tb = to_torch(TrainBatch(batch_id="b", groups=scored, advantages=adv))
+    return student, to_torch(TrainBatch(batch_id="b", groups=scored, advantages=adv))
+
+
+def _one_pass(student: Any, tb: Any) -> Callable[[], None]:
+    """The example learner's loss forward and backward (``step_losses``)."""
+    from pipeline.demo.learner import step_losses
 
     def one() -> None:
         _, pg, kd = step_losses(student, tb, 0.2)
         (pg + kd).backward()  # type: ignore[no-untyped-call]
+
+    return one
+
+
+def head_passes(model: Path, groups: int, reps: int) -> dict[str, Any]:
+    """The example learner's loss forward and backward (``step_losses``: one pass over the lm_head for both
+    losses) against the same two losses each with its own pass (``chunked.token_logprobs`` and
+    ``chunked.topk_forward_kl``), alternated on one synthetic batch: median seconds of each and their ratio."""
+    from pipeline.learner import losses
+    from pipeline.learner.chunked import token_logprobs, topk_forward_kl
+
+    student, tb = _student_and_batch(model, groups)
+    one = _one_pass(student, tb)
 
     def two() -> None:
         hidden = student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
@@ -114,6 +132,79 @@ def head_passes(model: Path, groups: int, reps: int) -> dict[str, Any]:
     out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in times.items()}
     out["ratio"] = round(out["one_pass_s"] / out["two_passes_s"], 3)
     out["reps"] = reps
+    return out
+
+
+_WRITER = """
+import sys, tempfile, time, torch
+torch.set_num_threads(1)
+from pipeline.learner.checkpoint import save_checkpoint
+from pipeline.models.weights import load_causal_lm
+m = load_causal_lm(sys.argv[1]); o = torch.optim.AdamW(m.parameters(), lr=1e-5)
+m(torch.zeros((1, 2), dtype=torch.long)).logits.sum().backward(); o.step()
+d, i = tempfile.mkdtemp(prefix="phases-writer-"), 0
+print("ready", flush=True)
+while True:
+    i += 1; save_checkpoint(d, m, o, step=i, policy_version=i)
+"""
+
+
+def write_overlap(model: Path, groups: int, reps: int) -> dict[str, Any]:
+    """Whether a checkpoint written while the loss's forward and backward run costs the step less than one
+    written after it: the forward and backward alone, then beside a thread of the same process writing the model
+    and AdamW state (``save_checkpoint``) in a loop, then beside another process doing the same (median seconds;
+    one torch thread each, as the demo's processes)."""
+    import subprocess
+    import threading
+
+    import torch
+
+    from pipeline.learner.checkpoint import save_checkpoint
+
+    student, tb = _student_and_batch(model, groups)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    one = _one_pass(student, tb)
+    one()
+    opt.step()
+
+    def fb() -> float:
+        times = []
+        for _ in range(reps):
+            student.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            one()
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times), 3)
+
+    out: dict[str, Any] = {"alone_s": fb(), "reps": reps}
+    stop, written = threading.Event(), list[float]()
+
+    def writer(d: str) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            save_checkpoint(d, student, opt, step=len(written) + 1, policy_version=len(written) + 1)
+            written.append(time.perf_counter() - t0)
+
+    with tempfile.TemporaryDirectory(prefix="phases-writer-") as d:
+        th = threading.Thread(target=writer, args=(d,))
+        th.start()
+        try:
+            out["beside_a_writer_thread_s"] = fb()
+        finally:
+            stop.set()
+            th.join()
+    out["checkpoint_in_the_thread_s"] = round(statistics.median(written), 3)
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(model)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(5.0)
+        out["beside_a_writer_process_s"] = fb()
+    finally:
+        proc.kill()
+        proc.wait()
+    for k in ("beside_a_writer_thread_s", "beside_a_writer_process_s"):
+        out[k[:-2] + "_ratio"] = round(out[k] / out["alone_s"], 3)
     return out
 
 
@@ -148,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         embedded.stop()
     report["loss_head_passes"] = head_passes(a.model, a.groups, a.head_reps)
     print(f"loss forward+backward, one lm_head pass vs two: {report['loss_head_passes']}", flush=True)
+    report["checkpoint_overlap"] = write_overlap(a.model, a.groups, a.head_reps)
+    print(f"loss forward+backward beside a checkpoint writer: {report['checkpoint_overlap']}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "phases.json").write_text(json.dumps(report, indent=2))
     return 0
