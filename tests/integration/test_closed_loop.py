@@ -135,7 +135,8 @@ class Loop:
         rollout = next(s for s in specs if s.name == "rollout-0")
         feeder = next(s for s in specs if s.name == "feeder")
         # Full batches (the demo's 4 groups): how far the KL falls in STEPS steps then depends on the samples
-        # trained, not on how fast this machine samples (a loaded one flushed partial batches of 1-2 groups).
+        # trained, not on how fast this machine samples (where the learner outran sampling, the feeder flushed
+        # partial batches of 1-2 groups after 0.5 s).
         feeder.argv[feeder.argv.index("--max-wait") + 1] = str(FULL_BATCH_WAIT_S)
         at = rollout.argv.index("--url") + 1
         self.sup = Supervisor(specs, out / "logs", base_env=env)
