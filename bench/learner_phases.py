@@ -136,13 +136,13 @@ def head_passes(model: Path, groups: int, reps: int) -> dict[str, Any]:
 
 
 _WRITER = """
-import sys, tempfile, time, torch
+import sys, torch
 torch.set_num_threads(1)
 from pipeline.learner.checkpoint import save_checkpoint
 from pipeline.models.weights import load_causal_lm
 m = load_causal_lm(sys.argv[1]); o = torch.optim.AdamW(m.parameters(), lr=1e-5)
 m(torch.zeros((1, 2), dtype=torch.long)).logits.sum().backward(); o.step()
-d, i = tempfile.mkdtemp(prefix="phases-writer-"), 0
+d, i = sys.argv[2], 0
 print("ready", flush=True)
 while True:
     i += 1; save_checkpoint(d, m, o, step=i, policy_version=i)
@@ -194,15 +194,15 @@ def write_overlap(model: Path, groups: int, reps: int) -> dict[str, Any]:
             stop.set()
             th.join()
     out["checkpoint_in_the_thread_s"] = round(statistics.median(written), 3)
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(model)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(5.0)
-        out["beside_a_writer_process_s"] = fb()
-    finally:
-        proc.kill()
-        proc.wait()
+    with tempfile.TemporaryDirectory(prefix="phases-writer-") as d, subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(model), d], stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"}) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            time.sleep(5.0)
+            out["beside_a_writer_process_s"] = fb()
+        finally:
+            proc.kill()
     for k in ("beside_a_writer_thread_s", "beside_a_writer_process_s"):
         out[k[:-2] + "_ratio"] = round(out[k] / out["alone_s"], 3)
     return out
