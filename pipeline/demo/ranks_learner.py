@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(0)
     student = load_causal_lm(a.student)
     model = wrap(student, a.shard, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, fused=True)  # one kernel for every tensor
     ckpt = load_checkpoint(ckpt_dir, model, opt, device=str(device))  # every rank, the wrapped model
     trained = set(ckpt.batch_ids) if ckpt is not None else set()  # batches in these weights
 
