@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.provenance import header, run_info
+from pipeline.demo.real import RealDemoConfig
 
 GROUP_SIZE = 4
 
@@ -62,7 +63,7 @@ class Setup:
     max_staleness: int = 3
     max_ahead: int | None = None  # rollout pacing (versions ahead); --on-policy sets 0 with a staleness bound of 0
     pg_weight: float = 0.0
-    checkpoint_every: int = 1
+    checkpoint_every: int = RealDemoConfig.checkpoint_every  # the real demo's
     learner_threads: int | None = None  # distillq's learner's torch threads (None: 1, as its other processes)
     trl_threads: int = 2
     timeout_s: float = 3600.0
@@ -144,7 +145,7 @@ def run_distillq(setup: Setup, student: Path, teacher: Path, out: Path) -> tuple
     from rich.console import Console
 
     from pipeline.cli.embedded import EmbeddedRedis
-    from pipeline.demo.real import RealDemoConfig, enqueue, run_pipeline
+    from pipeline.demo.real import enqueue, run_pipeline
     from pipeline.models.weights import load_causal_lm, load_weights
 
     console = Console(stderr=True)
@@ -308,7 +309,7 @@ def parse(argv: list[str] | None) -> tuple[Setup, Path]:
     p.add_argument("--max-ahead", type=int, help="distillq: rollout pacing, versions ahead of the learner (none)")
     p.add_argument("--learner-threads", type=int, help="distillq: the learner's torch threads (1)")
     p.add_argument("--checkpoint-every", type=int, default=Setup.checkpoint_every,
-                   help="distillq: the learner checkpoints every N steps (1)")
+                   help="distillq: the learner checkpoints every N steps (the real demo's, 5)")
     p.add_argument("--timeout", type=float, default=Setup.timeout_s, help="distillq's time budget, seconds")
     p.add_argument("--out", type=Path, default=Path("bench-out/vs-trl"))
     a = p.parse_args(argv)

@@ -57,7 +57,9 @@ class RealDemoConfig:
     threads: int = 1
     learner_threads: int | None = None  # the learner's torch threads (None: ``threads``, as every process)
     evaluate: bool = True  # False: the learner evaluates nothing (bench.vs_trl evaluates the published weights)
-    checkpoint_every: int = 1  # the learner's --checkpoint-every; the feeder's ready-batch cap follows it
+    # the learner's --checkpoint-every (the feeder's ready-batch cap follows it): a crash retrains at most 5 batches,
+    # and the 1.5 GB checkpoint costs a fifth as much a step (bench/RESULTS.md)
+    checkpoint_every: int = 5
     weights_url: str | None = None  # redis:// or s3:// (docs/weights.md): the weights there, not in out/weights
 
 
