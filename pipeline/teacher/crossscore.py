@@ -7,7 +7,7 @@ turns the teacher's ``ScoreResult`` back into a ``TeacherPayload`` in student po
 the backend between the two.
 
 The teacher's sequence is the student's whole sequence (prompt, completions, later turns) as text, cut into
-segments at special tokens and at every ``loss_mask`` transition (``retokenize_sequence``), each text segment
+segments at special tokens and at every ``loss_mask`` transition (``retokenize(loss_mask=)``), each text segment
 encoded by the teacher's tokenizer, each special token mapped by content (the student's end of sequence to the
 teacher's), and the teacher's BOS put first when its tokenizer adds one by default. It is not the teacher's chat
 template over the messages: the bytes the teacher scores are exactly the bytes the student produced and saw.
@@ -43,7 +43,7 @@ from pipeline.teacher.crosstok import (
     align,
     chunk_logprobs,
     map_topk,
-    retokenize_sequence,
+    retokenize,
     vocab_map,
 )
 from schemas.arrays import UINT8, Array
@@ -195,7 +195,7 @@ def convert(tokens: npt.NDArray[Any], loss_mask: npt.NDArray[Any], k: int, cross
     ids = np.asarray(tokens).astype(np.int64)
     mask = np.asarray(loss_mask).astype(np.bool_)
     n = ids.shape[0]
-    r = retokenize_sequence(ids.tolist(), mask, cross.student, cross.teacher, cross.teacher_vocab)
+    r = retokenize(ids.tolist(), cross.student, cross.teacher, cross.teacher_vocab, loss_mask=mask)
     a = align(r)
     t_ids = r.teacher_ids.astype(np.int32)
     offset = 0

@@ -15,7 +15,7 @@ tokenizers differ uses it in three steps:
    ``Retokenized.teacher_fallback`` marks them). A segment with a byte the teacher has no token for, or that the
    teacher's tokenizer does not give back byte for byte, fails the round trip (``RoundTripError``: the group's
    payload is dropped with the reason ``cross_tokenizer: ...``).
-   ``retokenize_sequence`` does it for a whole sequence (prompt, completions, later turns), also cutting at every
+   With ``loss_mask=`` it does it for a whole sequence (prompt, completions, later turns), also cutting at every
    ``loss_mask`` transition so that no chunk straddles trained and untrained tokens (the teacher worker's
    ``--cross-tokenizer``, ``pipeline.teacher.crossscore``).
 3. ``align(...)``: the two tokenizations' byte boundaries; every boundary both share closes an **aligned chunk**
@@ -252,8 +252,10 @@ def _encode_bytes(raw: bytes, teacher: Any, vocab: VocabBytes) -> tuple[list[int
 
 def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any, teacher_vocab: VocabBytes,
                loss_mask: Sequence[int] | npt.NDArray[np.generic] | None = None) -> Retokenized:
-    """The teacher's tokenization of the student's completion ``student_ids`` (see the module's rules); with
-    ``loss_mask`` ``[L]``, text segments are also cut at every change of the mask."""
+    """The teacher's tokenization of the student's ``student_ids`` (see the module's rules). With ``loss_mask``
+    ``[L]`` (a whole sequence: prompt, completions, later turns), text segments are also cut at every change of
+    the mask, so each trained span starts and ends on a boundary of both tokenizations and no aligned chunk
+    straddles trained and untrained tokens (each run of equal mask is encoded apart)."""
     ids = [int(t) for t in student_ids]
     mask = None if loss_mask is None else np.asarray(loss_mask).astype(np.bool_)
     if mask is not None and mask.shape != (len(ids),):
@@ -293,14 +295,6 @@ def retokenize(student_ids: Sequence[int], student: VocabBytes, teacher: Any, te
         i = end
     return Retokenized(np.asarray(t_ids, dtype=np.int32), s_len, np.asarray(t_len, dtype=np.int64), parts,
                        np.asarray(t_skip, dtype=np.int64), np.asarray(t_fallback, dtype=np.bool_))
-
-
-def retokenize_sequence(student_ids: Sequence[int], loss_mask: Sequence[int] | npt.NDArray[np.generic],
-                        student: VocabBytes, teacher: Any, teacher_vocab: VocabBytes) -> Retokenized:
-    """``retokenize`` over a whole sequence (prompt, completions, later turns): the ids are also cut at every
-    ``loss_mask`` transition, so each trained span starts and ends on a boundary of both tokenizations and no
-    aligned chunk straddles trained and untrained tokens (each run of equal mask is encoded apart)."""
-    return retokenize(student_ids, student, teacher, teacher_vocab, loss_mask=loss_mask)
 
 
 @dataclass(frozen=True)

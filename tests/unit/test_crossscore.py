@@ -501,7 +501,7 @@ def test_float16_top_k_and_teacher_ids_beyond_its_tokenizer(
 
 def test_a_sentencepiece_teacher_gives_no_top_k_where_its_token_carries_the_space_it_put_first(
         tokenizers: tuple[Any, Any, Path, Path], tmp_path: Path) -> None:
-    from pipeline.teacher.crosstok import retokenize_sequence
+    from pipeline.teacher.crosstok import retokenize
     from tests.unit.test_crosstok import sentencepiece_tokenizer
 
     student = tokenizers[0]
@@ -509,7 +509,7 @@ def test_a_sentencepiece_teacher_gives_no_top_k_where_its_token_carries_the_spac
     pair = CrossTokenizer.of(sp, student, "sp")
     toks, mask, _ = conversation(student)
     plan = pair.convert(np.array(toks), np.array(mask), K)
-    r = retokenize_sequence(toks, mask, pair.student, sp, pair.teacher_vocab)
+    r = retokenize(toks, pair.student, sp, pair.teacher_vocab, loss_mask=mask)
     skipped = set((np.flatnonzero(r.teacher_skip > 0) + plan.offset - 1).tolist())  # rows predicting such tokens
     looked_up = set(plan.request.rows[plan.topk_at[plan.topk_at >= 0]].tolist())  # type: ignore[index]
     assert skipped and looked_up and not (skipped & looked_up)
