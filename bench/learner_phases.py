@@ -35,6 +35,14 @@ from bench.provenance import header, run_info
 PHASES = ("wait_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "publish_s")
 
 
+def _scored_groups(vocab: int, n: int) -> list[Any]:
+    """``n`` synthetic scored groups of 4 completions of 60 tokens (36 of them trained), teacher top-64."""
+    from schemas.build import synthetic_rollout, synthetic_scored
+
+    return [synthetic_scored(synthetic_rollout(4, 60, vocab=vocab, prompt_len=24, group_id=f"g{i:03d}", seed=i),
+                             k=64, vocab=vocab, seed=i) for i in range(n)]
+
+
 async def _feed(url: str, namespace: str, vocab: int, batches: int, groups: int) -> None:
     from pipeline.config import RedisSettings
     from pipeline.stages.batching import BatchingConfig
@@ -43,15 +51,13 @@ async def _feed(url: str, namespace: str, vocab: int, batches: int, groups: int)
     from pipeline.transport.connection import connect
     from pipeline.transport.keys import Keys
     from pipeline.transport.producer import StreamProducer
-    from schemas.build import synthetic_rollout, synthetic_scored
 
     r = connect(RedisSettings(redis_url=url))
     keys = Keys(namespace)
     try:
         prod = StreamProducer(r, keys, "scored", None)
-        for i in range(batches * groups):
-            g = synthetic_rollout(4, 60, vocab=vocab, prompt_len=24, group_id=f"g{i:03d}", seed=i)
-            await prod.send(synthetic_scored(g, k=64, vocab=vocab, seed=i))
+        for g in _scored_groups(vocab, batches * groups):
+            await prod.send(g)
         cfg = BatchingConfig(max_batch_groups=groups, max_wait_s=0.0, max_staleness=1000)
         await Feeder(r, keys, cfg, ConstantKL(1.0)).run(asyncio.Event(), burst=True)
     finally:
@@ -84,12 +90,9 @@ def _student_and_batch(model: Path, groups: int) -> tuple[Any, Any]:
     from pipeline.models.weights import load_causal_lm
     from schemas import TrainBatch
     from schemas.arrays import Array
-    from schemas.build import synthetic_rollout, synthetic_scored
 
     student = load_causal_lm(model).train()
-    vocab = int(student.config.vocab_size)
-    scored = [synthetic_scored(synthetic_rollout(4, 60, vocab=vocab, prompt_len=24, group_id=f"g{i}", seed=i), k=64,
-                               vocab=vocab, seed=i) for i in range(groups)]
+    scored = _scored_groups(int(student.config.vocab_size), groups)
     adv = [Array.from_numpy(np.zeros(s.length, np.float32)) for g in scored for s in g.group.sequences]
     return student, to_torch(TrainBatch(batch_id="b", groups=scored, advantages=adv))
 
