@@ -4,10 +4,11 @@
         --record OUT.jsonl [--eval-teacher DIR] [--hold-at-step K] [--lr LR] [--checkpoint-dir DIR]
 
 The example learner (``pipeline.demo.learner``) on N ranks: each rank reads its part of the same batch
-(``Learner(rank=, world_size=)``), the losses are those of ``example.optimiser_step`` summed and divided by
-the whole batch's token counts (``all_reduce``), so that DDP's mean of the ranks' gradients is the gradient of
-the whole batch (shown to 1e-6 by tests/integration/test_learner_ranks.py); AdamW with the learning rate
-decaying linearly from ``--lr`` to 0 at ``--steps``. After each step: rank 0 writes the
+(``Learner(rank=, world_size=)``), the loss is the ranked example learner's (``pipeline.demo.ranks_learner.
+StepLoss``: the example learner's ``step_losses`` summed and divided by the whole batch's token counts,
+``all_reduce``), so that DDP's mean of the ranks' gradients is the gradient of the whole batch (shown to 1e-6 by
+tests/integration/test_learner_ranks.py); AdamW with the learning rate decaying linearly from ``--lr`` to 0 at
+``--steps``. After each step: rank 0 writes the
 checkpoint, every rank acks, then ``publish_weights`` (rank 0 writes the version folder, all wait for it).
 A restarted group restores the checkpoint on every rank and acks, untrained, a batch it already holds.
 
@@ -32,37 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline.demo.ranks_learner import StepLoss
 from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
-from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner, LearnerBatch
 from pipeline.learner.torch_batch import TorchBatch, to_torch
 from pipeline.models.weights import load_causal_lm
 
 KEEP_ALL = 1 << 20  # every published version stays: the test checks each group against its version's weights
-
-
-class StepLoss(torch.nn.Module):
-    """The example learner's loss as a module, so that the forward runs through DDP."""
-
-    def __init__(self, student: Any) -> None:
-        super().__init__()
-        self.student = student
-
-    def forward(self, tb: TorchBatch | None, n_loss: torch.Tensor, n_distill: torch.Tensor,
-                world: int) -> torch.Tensor:
-        head = self.student.get_output_embeddings()
-        if tb is None:  # an empty part: join the gradient all-reduce with zeros
-            ids = torch.zeros((1, 2), dtype=torch.long)
-            out = self.student(input_ids=ids)
-            zero: torch.Tensor = out.logits.sum() * 0.0
-            return zero
-        hidden = self.student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
-        h = hidden.last_hidden_state[:, :-1]
-        pg = importance_sampled_pg_loss(h, head.weight, tb.labels, tb.student_logprobs, tb.advantages, tb.loss_mask,
-                                        clip=0.2, bias=head.bias, reduction="sum")
-        kd = topk_forward_kl(h, head.weight, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask,
-                             mode="tail", bias=head.bias, reduction="sum")
-        return world * (pg / n_loss.clamp(min=1) + kd / n_distill.clamp(min=1))
 
 
 def part_record(lb: LearnerBatch) -> list[dict[str, Any]]:
@@ -134,7 +111,7 @@ class Rank:
         return tb, local
 
     def train_step(self, tb: TorchBatch | None, counts: torch.Tensor, step: int, batch_id: str) -> None:
-        loss = self.model(tb, counts[0], counts[1], self.world)
+        loss = self.model(tb, counts, self.world)
         if step == self.a.hold_at_step:
             self.emit({"event": "hold", "step": step, "batch_id": batch_id})
             time.sleep(3600)  # to be killed

@@ -328,9 +328,11 @@ def train_step(student: Any, opt: torch.optim.Optimizer, batch: TrainBatch, cfg:
                        ratio_kl, clip_frac, t1 - t0, t2 - t1)
 
 
-def step_losses(student: Any, tb: TorchBatch, clip: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_losses(student: Any, tb: TorchBatch, clip: float | None,
+                reduction: losses.Reduction = "mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the trainer's logprobs of the sampled tokens ``[B, T-1]``, the policy-gradient loss, the top-k forward KL
-    with a tail bucket), each loss the mean over its mask.
+    with a tail bucket), each loss reduced over its mask (``reduction``: the mean, or the sum that learner ranks
+    divide by the whole batch's token counts).
 
     The chunked losses (``pipeline.learner.chunked``): from the base model's hidden states and the lm_head, in one
     pass over the head for both (the sampled token's id and the teacher's top-k ids gathered together at every
@@ -341,9 +343,11 @@ def step_losses(student: Any, tb: TorchBatch, clip: float | None) -> tuple[torch
     ids = torch.cat([tb.labels[..., None], tb.teacher_topk_ids.long()], -1)
     lp = gather_logprobs(h, head.weight, ids, torch.maximum(tb.loss_mask, tb.distill_mask), bias=head.bias)
     new = lp[..., 0]
-    pg = losses.importance_sampled_pg_loss(new, tb.student_logprobs, tb.advantages, tb.loss_mask, clip)
+    pg = losses.importance_sampled_pg_loss(new, tb.student_logprobs, tb.advantages, tb.loss_mask, clip,
+                                           reduction=reduction)
     kd = losses.reduce_masked(
-        losses.topk_forward_kl_from_logprobs(lp[..., 1:], tb.teacher_topk_logprobs, "tail"), tb.distill_mask)
+        losses.topk_forward_kl_from_logprobs(lp[..., 1:], tb.teacher_topk_logprobs, "tail"), tb.distill_mask,
+        reduction)
     return new, pg, kd
 
 

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from pipeline.demo.learner import step_losses
 from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
-from pipeline.learner.chunked import importance_sampled_pg_loss, topk_forward_kl
 from pipeline.learner.client import Learner, LearnerBatch
 from pipeline.learner.torch_batch import TorchBatch, to_torch
 from pipeline.models.weights import load_causal_lm
@@ -62,13 +62,7 @@ class StepLoss(torch.nn.Module):
             ids = torch.zeros((1, 2), dtype=torch.long, device=counts.device)
             zero: torch.Tensor = self.student(input_ids=ids).logits.sum() * 0.0
             return zero
-        head = self.student.get_output_embeddings()
-        hidden = self.student.get_decoder()(input_ids=tb.input_ids, attention_mask=tb.attention_mask.long())
-        h = hidden.last_hidden_state[:, :-1]
-        pg = importance_sampled_pg_loss(h, head.weight, tb.labels, tb.student_logprobs, tb.advantages, tb.loss_mask,
-                                        clip=self.clip, bias=head.bias, reduction="sum")
-        kd = topk_forward_kl(h, head.weight, tb.teacher_topk_ids, tb.teacher_topk_logprobs, tb.distill_mask,
-                             mode="tail", bias=head.bias, reduction="sum")
+        _, pg, kd = step_losses(self.student, tb, self.clip, reduction="sum")  # the example learner's losses
         return world * (pg / counts[0].clamp(min=1) + kd / counts[1].clamp(min=1))
 
 
