@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.demo.tinymodels import TinyModels, all_problems
-from pipeline.models.weights import load_causal_lm
+from pipeline.models.weights import load_causal_lm, share_files
 
 
 def chat_ids(tokenizer: object, question: str, answer: str | None = None) -> list[int]:
@@ -67,6 +67,7 @@ def train_teacher(
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     (tmp / "DONE").write_text("ok\n")
+    share_files(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

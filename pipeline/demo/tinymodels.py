@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import env
+from pipeline.models.weights import share_files
 
 DEFAULT_CACHE = Path(env("CACHE") or ".cache") / "tiny"
 VOCAB_SIZE = 512
@@ -142,6 +143,7 @@ def build_model(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(str(out), safe_serialization=True)
+    share_files(out)
 
 
 def ensure_tiny_models(cache: Path | None = None, seed: int = 0) -> TinyModels:

@@ -44,6 +44,7 @@ from pipeline.models.weights import (
     folder_name,
     fsync_dir,
     published_versions,
+    share_files,
     version_of_folder,
 )  # fmt: skip
 from pipeline.transport.connection import connect
@@ -133,6 +134,7 @@ def write_checkpoint(
         _copy_tokenizer(tokenizer_dir or getattr(inner, "name_or_path", None), tmp)
     if not (tmp / (ADAPTER_CONFIG if kind == "lora" else CONFIG)).exists():
         raise RuntimeError(f"{type(inner).__name__}.save_pretrained wrote no {CONFIG} into {tmp}")
+    share_files(tmp)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     marker = {"version": int(version), "kind": kind, "files": files, "created_at": time.time()}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1))

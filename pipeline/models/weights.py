@@ -314,6 +314,16 @@ def _check_finite(tensors: Mapping[str, Any], ckpt: Checkpoint, file: str) -> No
                                   f"{t.numel()}", "non_finite", ckpt.version)
 
 
+def share_files(folder: Path) -> None:
+    """Give every file of ``folder`` the mode a plain ``open`` gives (0666 less the umask): safetensors writes its
+    files 0600, which another user (a model server or worker of another uid sharing the volume) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in folder.iterdir():
+        if p.is_file() and not p.is_symlink():
+            p.chmod(0o666 & ~umask)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

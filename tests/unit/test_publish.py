@@ -148,3 +148,18 @@ def test_files_are_fsynced_before_the_pointer(student: Any, tmp_path: Path, monk
     write_checkpoint(student, 1, tmp_path)
     assert order.index(f"replace {folder_name(1)}") < order.index(f"replace {LATEST}")
     assert order[: order.index(f"replace {folder_name(1)}")].count("fsync") >= 3  # the files and their folder
+
+
+def test_published_files_are_readable_by_other_users(student: Any, tmp_path: Path) -> None:
+    """A model server or worker of another uid reads the versions (safetensors alone writes its files 0600)."""
+    umask = os.umask(0o022)
+    try:
+        publish(student, 1, tmp_path)
+    finally:
+        os.umask(umask)
+    ckpt = latest(tmp_path)
+    assert ckpt is not None
+    modes = {p.name: p.stat().st_mode & 0o777 for p in ckpt.path.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+    tiny = ensure_tiny_models()
+    assert (tiny.student / "model.safetensors").stat().st_mode & 0o044 == 0o044
