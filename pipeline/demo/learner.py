@@ -30,14 +30,16 @@ the first and last step and the teacher's at the first, on all of them, as ``hel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import IO, Annotated, Any, Literal
 
 import structlog
 import torch
@@ -84,6 +86,7 @@ class LearnerConfig:
     device: str = "cpu"
     eval_max_new: int = 8
     metrics_file: str | None = None
+    trained_log: str | None = None  # JSONL: the restored step at each start, and each step's batch and group ids
     batch_timeout_s: float = 60.0
     redis_url: str | None = None
     namespace: str | None = None
@@ -180,12 +183,13 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
     # fused: one kernel over every tensor (on the real student's 124M parameters, 0.08 s a step against 0.64 s)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0, fused=True)
     history: list[dict[str, float]] = []
-    out = open(cfg.metrics_file, "a") if cfg.metrics_file else None  # noqa: SIM115
     version = 0
 
     ckpt_dir = cfg.checkpoint_dir or str(Path(cfg.weights_dir) / "checkpoint")
-    with Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
+    with contextlib.ExitStack() as files, Learner(cfg.redis_url, namespace=cfg.namespace) as learner:
+        out, trained_log = _append(files, cfg.metrics_file), _append(files, cfg.trained_log)
         ckpt, version, step = restore(ckpt_dir, student, opt, learner, cfg)
+        _log_line(trained_log, event="start", step=step)
         started = time.perf_counter()
         rec0: dict[str, float] = {"step": float(step), "policy_version": float(version)}
         evaluator.record(rec0, step, first=True)
@@ -208,6 +212,8 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
                 learner.ack(b)  # a crash came between its checkpoint and its ack: already in the weights
                 continue
             step += 1
+            _log_line(trained_log, event="step", step=step, batch_id=b.batch.batch_id,
+                      groups=[g.group_id for g in b.batch.groups])
             t0 = time.perf_counter()
             set_lr(opt, cfg, step)
             fig = train_step(student, opt, b.batch, cfg)
@@ -224,9 +230,38 @@ def train(cfg: LearnerConfig, on_step: Callable[[dict[str, float]], None] | None
             rec["wall_s"] = time.perf_counter() - started
             _emit(rec, history, out, on_step)
         held.settle(learner, ckpt_dir, student, opt, step, version)  # no batch came: what it trained, kept
-    if out is not None:
-        out.close()
     return history
+
+
+def _append(files: contextlib.ExitStack, path: str | None) -> IO[str] | None:
+    """``path`` opened to append (its folder made) until ``files`` closes, or None."""
+    if path is None:
+        return None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return files.enter_context(open(path, "a"))
+
+
+def kept_steps(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``step`` records of a ``--trained-log`` whose step is in the weights: a ``start`` restoring step S drops
+    the earlier ``step`` lines above S (trained, then lost with a crash before their checkpoint)."""
+    recs = list(records)
+    starts = [r for r in recs if r.get("event") == "start"]
+    return [r for r in recs if r.get("event") == "step"
+            and all(r["step"] <= s["step"] for s in starts if s["t"] > r["t"])]
+
+
+def trained_groups(records: Iterable[dict[str, Any]]) -> Counter[str]:
+    """Group id -> how many times it is in the weights, from a ``--trained-log``'s records."""
+    return Counter(g for r in kept_steps(records) for g in r["groups"])
+
+
+def _log_line(f: IO[str] | None, **rec: Any) -> None:
+    """One line of ``--trained-log``, flushed: it must be on disk before the step it names trains. A ``step``
+    line whose step is above the ``step`` of a later ``start`` line was not in the weights that restart restored
+    (the crash came before its checkpoint): that batch is trained again, and only the later line counts."""
+    if f is not None:
+        f.write(json.dumps({"t": time.time(), **rec}) + "\n")
+        f.flush()
 
 
 def _checkpoint_and_publish(learner: Learner, cfg: LearnerConfig, held: Held, ckpt_dir: str, student: Any,
@@ -437,6 +472,10 @@ class LearnerSettings(FlagSettings):
         "cpu", description="torch device of the student, the teacher and each batch")
     metrics_file: Annotated[str | None, Flag(metavar="PATH")] = Field(
         None, description="JSONL, one record per step")
+    trained_log: Annotated[str | None, Flag(metavar="PATH")] = Field(
+        None, description="JSONL, what the weights hold: a line per start (the step restored) and per step before "
+                          "it trains (its batch and group ids); a step above a later start's was trained again "
+                          "after that restart ([learner.md](learner.md))")
     batch_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         60.0, description="give up after this many seconds without a batch")
     checkpoint_dir: Annotated[str | None, Flag(metavar="DIR", default_text="`WEIGHTS_DIR/checkpoint`")] = Field(
@@ -453,7 +492,8 @@ def learner_config(s: LearnerSettings, redis_url: str | None, namespace: str | N
                          checkpoint_every=s.checkpoint_every,
                          eval_teacher=s.eval_teacher, eval_every=s.eval_every, eval_prompts=s.eval_prompts,
                          eval_kl_prompts=s.eval_kl_prompts, heldout_file=s.heldout_file, eval_max_new=s.eval_max_new,
-                         device=s.device, metrics_file=s.metrics_file, batch_timeout_s=s.batch_timeout,
+                         device=s.device, metrics_file=s.metrics_file, trained_log=s.trained_log,
+                         batch_timeout_s=s.batch_timeout,
                          redis_url=redis_url, namespace=namespace, checkpoint_dir=s.checkpoint_dir,
                          teacher_weight=s.teacher_weight)
 

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
+from pipeline.demo.learner import kept_steps
 from pipeline.demo.tinymodels import arithmetic_problem, ensure_tiny_models
 from pipeline.models.weights import LATEST, MARKER, folder_name, published_versions, version_of_folder
 from pipeline.transport.keys import Keys
@@ -184,13 +185,8 @@ class LearnerRecord:
                     self.starts.append(rec)
 
     def kept(self) -> list[dict[str, Any]]:
-        """Step lines whose step is in the weights: a ``start`` restoring step S drops the earlier lines above S."""
-        out = []
-        for rec in self.steps:
-            later = [s["step"] for s in self.starts if s["t"] > rec["t"]]
-            if all(rec["step"] <= s for s in later):
-                out.append(rec)
-        return out
+        """Step lines whose step is in the weights (the example learner's ``--trained-log`` format)."""
+        return kept_steps([*self.starts, *self.steps])
 
     def trained(self) -> dict[str, list[float]]:
         """Group id -> the times it was trained (kept steps)."""

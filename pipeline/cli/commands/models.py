@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"Redis URL the printed commands use (default: $DISTILLQ_REDIS_URL, else {DEMO_REDIS_URL})")
     p.add_argument("--namespace", default=None, metavar="NS",
                    help="namespace the printed commands use (default: $DISTILLQ_NAMESPACE, else distillq)")
+    p.add_argument("--link", type=Path, default=None, metavar="DIR",
+                   help="also make DIR/student, DIR/teacher and DIR/tokenizer links to them: fixed paths for a "
+                        "configuration (ops/compose.cpu.yml) (default: none)")
     p.add_argument("--json", action="store_true", help="one JSON object: paths (and commands)")
     p.set_defaults(func=main)
     add_prune_parser(msub)
@@ -111,6 +114,16 @@ def commands(student: Path, teacher: Path, out: Path, url: str, namespace: str, 
     return cmds
 
 
+def link(folder: Path, paths: dict[str, str]) -> None:
+    """``folder/NAME`` -> ``paths[NAME]`` for the student, teacher and tokenizer, each replaced atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("student", "teacher", "tokenizer"):
+        tmp = folder / f".{name}.link"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(paths[name], target_is_directory=True)
+        tmp.replace(folder / name)
+
+
 def write_prompts(path: Path, n: int) -> None:
     from pipeline.demo.tinymodels import arithmetic_problem
 
@@ -133,6 +146,8 @@ def main(args: argparse.Namespace) -> int:
     student, teacher = tiny.student.resolve(), teacher.resolve()
     paths = {"tokenizer": str(tiny.tokenizer.resolve()), "student": str(student), "teacher": str(teacher),
              "teacher_untrained": str(tiny.teacher.resolve())}
+    if args.link is not None:
+        link(args.link, paths)
     if args.prompts is not None:
         write_prompts(args.prompts, args.count)
     cmds: list[str] = []
