@@ -122,7 +122,8 @@ def test_the_loop_is_closed(config: dict[str, Any]) -> None:
     assert learner["command"][:3] == ["python", "-m", "pipeline.demo.learner"]
     assert learner["command"][learner["command"].index("--weights-dir") + 1] == "/weights"
     assert learner["depends_on"]["weights-init"]["condition"] == "service_completed_successfully"
-    assert services["weights-init"]["command"] == ["chown", "10001:10001", "/weights"]
+    assert services["weights-init"]["command"] == ["chown", "10001:10001", "/weights", "/weights-mirror"]
+    assert {m["target"] for m in services["weights-init"]["volumes"]} == {"/weights", "/weights-mirror"}
 
 
 def test_vllm_image_is_the_tested_version_and_serves_the_teacher_k(config: dict[str, Any]) -> None:
@@ -333,3 +334,118 @@ def test_deployment_doc_several_student_servers_example(tmp_path: Path) -> None:
     assert services["vllm-student-2"]["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
     cmd = services["rollout-worker"]["command"]
     assert cmd[cmd.index("--url") + 1] == env["STUDENT_URLS"]
+
+
+OFFLINE = ROOT / "ops" / "compose.offline.yml"
+CPU = ROOT / "ops" / "compose.cpu.yml"
+ALL_PROFILES = tuple(a for p in PROFILES for a in ("--profile", p))
+
+
+def _services(*files: Path, profiles: tuple[str, ...] = ALL_PROFILES) -> dict[str, Any]:
+    res = compose(*profiles, "config", "--format", "json", files=(COMPOSE, *files))
+    assert res.returncode == 0, res.stderr
+    services: dict[str, Any] = json.loads(res.stdout)["services"]
+    return services
+
+
+def test_public_images_by_default_and_the_build_ca_is_an_optional_secret(config: dict[str, Any]) -> None:
+    """A machine with Docker Hub runs docker-compose.yml as it is: public base images, no CA needed."""
+    services = config["services"]
+    assert services["redis"]["image"] == "redis:7" and services["weights-init"]["image"] == "busybox:1.37"
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    dockerfile = (ROOT / "ops" / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}" in dockerfile
+    assert "--mount=type=secret,id=build-ca,required=false" in dockerfile
+    for name in (*WORKERS, "learner"):
+        build = services[name]["build"]
+        assert "BASE_IMAGE" not in build.get("args", {}), name
+        assert [s["source"] for s in build["secrets"]] == ["build-ca"], name
+    assert "${DISTILLQ_BUILD_CA:-/dev/null}" in COMPOSE.read_text()
+
+
+def test_the_offline_override_changes_image_names_only(config: dict[str, Any]) -> None:
+    """ops/compose.offline.yml: the images ops/compose-offline.sh builds, and the base of the project's builds;
+    every other key of every service is docker-compose.yml's."""
+    base, offline = config["services"], _services(OFFLINE)
+    script = (ROOT / "ops" / "compose-offline.sh").read_text()
+    for name, svc in offline.items():
+        changed = {k for k in set(svc) | set(base[name]) if svc.get(k) != base[name].get(k)}
+        assert changed <= {"image", "build"}, (name, changed)
+        if "build" in changed:
+            assert svc["build"]["args"] == {**base[name]["build"].get("args", {}), "BASE_IMAGE": "distillq-python:3.11"}
+            assert svc["image"] == base[name]["image"], name
+        elif "image" in changed:
+            assert svc["image"].split(":")[0] in script, (name, svc["image"])  # an image the script builds
+
+
+def test_the_cpu_override_replaces_the_model_servers_only(config: dict[str, Any]) -> None:
+    """ops/compose.cpu.yml: no vLLM server starts; the tiny models are built by a one-shot service and run in
+    process (hf backends, with torch); Redis, volumes, health checks, restart policies and Prometheus are
+    docker-compose.yml's."""
+    # every profile but teacher2, whose pool is a vLLM server's
+    base, cpu = config["services"], _services(CPU, profiles=tuple(a for p in PROFILES if p != "teacher2"
+                                                                   for a in ("--profile", p)))
+    started = set(compose("config", "--services", files=(COMPOSE, CPU)).stdout.split())
+    assert started == (SERVICES - {"vllm-teacher", "vllm-student"}) | {"models"}
+    for name in ("redis", "prometheus", "weights-init"):
+        assert cpu[name] == base[name], name
+    for name in (*WORKERS, "learner", "serve-student"):
+        for key in ("healthcheck", "restart", "stop_grace_period", "environment", "init"):
+            if key == "environment":
+                assert cpu[name][key] == {**base[name][key], "OMP_NUM_THREADS": "1"} or name == "feeder", name
+            else:
+                assert cpu[name].get(key) == base[name].get(key), (name, key)
+        deps = cpu[name]["depends_on"]
+        assert deps["redis"]["condition"] == "service_healthy" and not {"vllm-teacher", "vllm-student"} & set(deps)
+    for name in ("teacher-worker", "rollout-worker", "serve-student"):
+        cmd = cpu[name]["command"]
+        assert cmd[cmd.index("--backend") + 1] == "hf" and cmd[cmd.index("--model") + 1].startswith("/models/")
+        assert cpu[name]["image"] == cpu["learner"]["image"] and cpu[name]["build"]["args"]["EXTRAS"] == "hf"
+        assert cpu[name]["depends_on"]["models"]["condition"] == "service_completed_successfully"
+    rollout = cpu["rollout-worker"]["command"]
+    assert rollout[rollout.index("--max-ahead") + 1] == "1"  # paced: no group goes stale
+    learner = cpu["learner"]["command"]
+    assert learner[learner.index("--trained-log") + 1].startswith("/weights/")
+    assert cpu["models"]["command"] == ["distillq", "models", "tiny", "--link", "/models"]
+    for svc in cpu.values():  # every distillq command line of the CPU stack parses
+        cmd = svc.get("command")
+        if isinstance(cmd, list) and cmd[:1] == ["distillq"]:
+            build_parser().parse_args(cmd[1:])
+
+
+def test_deployment_doc_cpu_stack_block_is_what_the_compose_test_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU stack's commands in docs/deployment.md are the files and commands tests/integration/
+    test_compose_stack.py issues (through bench.compose_stack), flag for flag."""
+    import shlex
+
+    from bench import compose_stack
+
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    block = re.search(r"## A CPU stack.*?```bash\n(.*?)```", doc, re.S)
+    assert block is not None
+    lines = [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
+    assert lines[0] == "export COMPOSE_FILE=" + ":".join(compose_stack.FILES)
+    # the commands without their shell redirections and pipes
+    documented = [shlex.split(re.split(r" [<|] ", line)[0])[2:] for line in lines[1:]
+                  if line.startswith("docker compose ")]
+
+    issued: list[list[str]] = []
+
+    def record(self: compose_stack.Stack, *args: str, **_: Any) -> subprocess.CompletedProcess[str]:
+        issued.append([a for i, a in enumerate(args) if a != "--wait-timeout" and args[i - 1] != "--wait-timeout"])
+        return subprocess.CompletedProcess(args, 0, "{}", "")
+
+    monkeypatch.setattr(compose_stack.Stack, "compose", record)
+    s = compose_stack.Stack(project="doc")
+    s.up()
+    s.enqueue([])
+    s.stats()
+    s.scale(teacher_worker=4, rollout_worker=3)
+    s.logs("teacher-worker")
+    s.scale(teacher_worker=1, rollout_worker=1)
+    s.trained()
+    s.down()
+    for doc_args, args in zip(documented, issued, strict=True):
+        # what the test adds: the epoch of its prompts, JSON output, plain logs, a bound on the stop
+        assert doc_args == [a for a in args if a not in ("--epoch", "0", "--json", "--no-color", "--timeout", "20")], (
+            doc_args, args)
