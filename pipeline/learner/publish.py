@@ -33,9 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import redis
 import structlog
 
 from pipeline.config import redis_settings
+from pipeline.learner.checks import LearnerConnectionError
 from pipeline.models.weights import (
     ADAPTER_CONFIG,
     CONFIG,
@@ -47,7 +49,7 @@ from pipeline.models.weights import (
     share_files,
     version_of_folder,
 )  # fmt: skip
-from pipeline.transport.connection import connect
+from pipeline.transport.connection import connect, redis_error_line
 from pipeline.transport.keys import Keys
 from pipeline.weightstore.stores import bare_url, is_url, open_store, redact, writer_options
 from pipeline.weightstore.writer import Uploader, UploadReport
@@ -222,7 +224,10 @@ def publish_weights(
             uploader, staging = _uploader(url, options.get("snapshot_every", snapshot_every), options.get("keep", keep))
             path = write_checkpoint(model, version, staging, state_dict=state, tokenizer_dir=tokenizer_dir,
                                     max_shard_size=max_shard_size, keep=2)
-            report = uploader.upload(version, path)
+            try:
+                report = uploader.upload(version, path)
+            except redis.RedisError as e:  # the weights' own Redis, not the pipeline's: named by its URL
+                raise LearnerConnectionError(redis_error_line(e, bare_url(url))) from e
         (publish or _redis_publisher(redis_url, namespace))(int(version))
         seconds = round(time.perf_counter() - t0, 3)
         if report is None:

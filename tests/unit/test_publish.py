@@ -163,3 +163,14 @@ def test_published_files_are_readable_by_other_users(student: Any, tmp_path: Pat
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
     tiny = ensure_tiny_models()
     assert (tiny.student / "model.safetensors").stat().st_mode & 0o044 == 0o044
+
+
+def test_an_unreachable_weights_redis_is_named_by_its_own_url(student: Any) -> None:
+    """The weights' Redis is not the pipeline's: a learner that cannot publish to it says which one (exit status 3
+    through run_command, as for any Redis it cannot reach)."""
+    from pipeline.learner.checks import LearnerConnectionError
+    from tests.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(LearnerConnectionError, match=f"^cannot reach Redis at {url}: Connection refused$"):
+        publish_weights(student, 1, url, publish=lambda v: None, tokenizer_dir=ensure_tiny_models().student)
