@@ -321,6 +321,10 @@ def restore(ckpt_dir: str, student: Any, opt: torch.optim.Optimizer, learner: Le
         # so the restored weights go out as the next one (their samples then count as stale)
         log.info("republished_above_lost_versions", checkpoint_version=version, published=published)
         version = published + 1
+    if ckpt is None and is_url(cfg.weights_dir):
+        # weights that go to a store leave no file: the weights it starts from are checkpointed before they are
+        # published, so the checkpoint marks a learner that is up (docker-compose.yml's health check)
+        save_checkpoint(ckpt_dir, student, opt, step=0, policy_version=version, batch_ids=[])
     learner.publish_weights(student, version, cfg.weights_dir, tokenizer_dir=cfg.student)
     return ckpt, version, ckpt.step if ckpt is not None else 0
 
