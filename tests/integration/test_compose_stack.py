@@ -80,7 +80,7 @@ def test_up_reaches_healthy_and_closes_the_loop(stack: Stack) -> None:
         else:
             assert c["Health"] == "healthy", (c["Name"], c["Status"], up_s)
 
-    groups = enter(stack, "a", 16)
+    groups = enter(stack, "a", 48)  # 12 steps: versions 1 to 3 (one every 4 steps)
     trained_once(stack.wait_trained(groups, timeout=240), groups)
 
     # The loop is closed: the rollout worker reloaded versions the learner published and sampled with them.

@@ -32,9 +32,9 @@ def stack() -> Iterator[Stack]:
 def test_weights_reach_the_rollout_workers_through_redis(stack: Stack) -> None:
     stack.up()
     assert {c["Service"] for c in stack.containers() if c["State"] == "running"} >= {"redis-weights", "learner"}
-    ids = [f"u{i}" for i in range(16)]
+    ids = [f"u{i}" for i in range(48)]  # 12 steps: versions 1 to 3 (one every 4 steps)
     out = stack.enqueue(prompt_lines(ids))
-    assert "enqueued 16 prompt(s)" in out, out
+    assert "enqueued 48 prompt(s)" in out, out
     groups = {f"0:{i}" for i in ids}
     counts = stack.wait_trained(groups, timeout=300)
     assert set(counts) == groups and max(counts.values()) == 1

@@ -402,9 +402,11 @@ def test_the_cpu_override_replaces_the_model_servers_only(config: dict[str, Any]
         assert cmd[cmd.index("--backend") + 1] == "hf" and cmd[cmd.index("--model") + 1].startswith("/models/")
         assert cpu[name]["image"] == cpu["learner"]["image"] and cpu[name]["build"]["args"]["EXTRAS"] == "hf"
         assert cpu[name]["depends_on"]["models"]["condition"] == "service_completed_successfully"
-    rollout = cpu["rollout-worker"]["command"]
+    rollout, learner, feeder = (cpu[n]["command"] for n in ("rollout-worker", "learner", "feeder"))
     assert rollout[rollout.index("--max-ahead") + 1] == "1"  # paced: no group goes stale
-    learner = cpu["learner"]["command"]
+    # pacing counts groups per version: a batch's groups times the steps between versions (fewer would deadlock)
+    per_version = int(feeder[feeder.index("--max-batch-groups") + 1]) * int(learner[learner.index("--sync-every") + 1])
+    assert int(rollout[rollout.index("--groups-per-step") + 1]) == per_version
     assert learner[learner.index("--trained-log") + 1].startswith("/weights/")
     assert cpu["models"]["command"] == ["distillq", "models", "tiny", "--link", "/models"]
     for svc in cpu.values():  # every distillq command line of the CPU stack parses
