@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from typing import Any
 import redis
 
 from pipeline.demo.learner import trained_groups
+from pipeline.demo.vllm_student import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 #: docker-compose.yml with the offline images and the CPU models
@@ -77,13 +77,6 @@ def image_sizes() -> dict[str, int]:
                              text=True, check=True)
         sizes[name] = int(res.stdout.strip())
     return sizes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def prompt_lines(ids: Iterable[str], seed: int = 0) -> list[dict[str, Any]]:
