@@ -62,6 +62,7 @@ from pipeline.teacher.crosstok import RoundTripError
 from pipeline.teacher.vllm_engine_proc import HookMissing
 from pipeline.teacher.vocab import VocabMismatchError
 from pipeline.transport.connection import ClusterUnreachableError
+from pipeline.transport.identity import NameHeld
 from pipeline.transport.producer import BackpressureTimeout, MessageTooLarge, ProducerStopped
 from pipeline.transport.prompts import BadPrompt
 from pipeline.transport.sdk import AsyncGroupProducer, GroupProducer
@@ -168,6 +169,7 @@ __all__ = [
     "Limits",
     "Message",
     "MessageTooLarge",
+    "NameHeld",
     "ProducerStopped",
     "RankTakenOver",
     "RealPairUnavailable",

@@ -10,6 +10,7 @@ family                      its classes (home module)
                             (``pipeline.weightstore.codec``: a weights chunk that does not decode)
 ``ConfigurationError``      ``TeacherConfigError`` (``pipeline.teacher.base``), ``VocabMismatchError``
                             (``pipeline.teacher.vocab``), ``ShardConfigError`` (``pipeline.transport.sharding``),
+                            ``NameHeld`` (``pipeline.transport.identity``: a consumer name a live process holds),
                             ``RealPairUnavailable`` (``pipeline.demo.realpair``), ``VocabUnavailable``
                             (``pipeline.demo.vocabs``); itself where no narrower class
                             fits (``workers.rollout``, ``pipeline.demo.learner``)

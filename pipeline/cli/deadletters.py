@@ -109,10 +109,11 @@ class BatchState:
 
     ``never``: no marker (never batched, or longer ago than ``DISTILLQ_DEDUPE_TTL_S``); ``excluded``: the
     learner dead-lettered it out of the batch the marker names (never trained); ``in_flight``: in a batch
-    not acknowledged yet (or being written); ``trained``: in a batch the learner acknowledged; ``unknown``:
-    the marker does not say which batch, and none matches it."""
+    not acknowledged yet (or being written); ``trained``: in a batch the learner acknowledged (the marker says
+    ``acked:<entry>``); ``lost``: in a batch no learner acknowledged whose entry is gone from the stream (deleted
+    or trimmed by hand: never trained); ``unknown``: the marker does not say which batch, and none matches it."""
 
-    verdict: Literal["never", "excluded", "in_flight", "trained", "unknown"]
+    verdict: Literal["never", "excluded", "in_flight", "trained", "lost", "unknown"]
     batch_entry: str = ""
 
 

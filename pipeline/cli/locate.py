@@ -23,7 +23,7 @@ from pipeline.cli.recovery import assess, dead_letters_of
 from pipeline.config import StreamSettings
 from pipeline.transport.keys import CONSUMER_GROUPS, Keys, family, pool_stream, stream_pool
 from pipeline.transport.pools import known_pools
-from pipeline.transport.producer import F_ID
+from pipeline.transport.producer import ACKED, F_ID, WRITTEN
 from pipeline.transport.prompts import candidates, read_record
 from pipeline.transport.sharding import get_shards
 from schemas.pools import DEFAULT_POOL
@@ -166,6 +166,18 @@ def _flowing(by: set[str]) -> str | None:
     return None
 
 
+def _batched(marker: str) -> str:
+    """The fate of a group whose ``batches`` marker remains and whose batch entry is no longer in the stream."""
+    if marker.startswith(ACKED):
+        entry = marker.removeprefix(ACKED)
+        return f"batched and acknowledged by the learner (batch entry {entry}): it reached training"
+    if marker == WRITTEN:
+        return ("batched, and its batch entry (which its dedupe marker does not name) is no longer in the batches "
+                "stream: trained, or lost with it")
+    return (f"lost: batched into entry {marker}, which no learner acknowledged and which is gone from the batches "
+            "stream (deleted or trimmed); distillq push --force FILE sends it again")
+
+
 def summarize(w: Whereabouts) -> str:
     """One sentence: where the group is now, or what became of it, and what works to send it again."""
     by = {s.stream for s in w.entries}
@@ -174,6 +186,9 @@ def summarize(w: Whereabouts) -> str:
     dead = [s for s in w.entries if s.stream == "dlq"]
     if dead and flowing is not None:
         return f"{flowing}; {len(dead)} dead letter(s) of it from before (distillq dlq show ENTRY_ID)"
+    trained = marked.get("batches")
+    if dead and trained is not None and trained.value.startswith(ACKED):  # sent again after its dead letter
+        return f"{_batched(trained.value)}; {len(dead)} dead letter(s) of it from before (distillq dlq show ENTRY_ID)"
     if dead:
         best = next((s for s in reversed(dead) if s.advice.startswith("distillq dlq replay")), dead[-1])
         return f"dead-lettered ({best.detail}): {best.advice}"
@@ -188,8 +203,10 @@ def summarize(w: Whereabouts) -> str:
     if not marked and (lost := _lost_prompt(w)) is not None:
         return lost
     if "batches" in marked:
-        return "batched and acknowledged by the learner: it reached training"
+        return _batched(marked["batches"].value)
     if marked:
-        return ("written (" + ", ".join(sorted(marked)) + ") and no longer in any stream: consumed, or dropped "
-                "before the drop records existed")
+        last = "scored" if "scored" in marked else sorted(marked)[0]
+        return (f"lost: written to {last} (dedupe marker {marked[last].value}) but that entry is gone, and no stage "
+                "after it recorded the group (the stream was deleted or trimmed); distillq push --force FILE sends "
+                "it again")
     return "not found: no entry, dedupe marker or drop record for this group id in this namespace"

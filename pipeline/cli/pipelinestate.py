@@ -17,6 +17,7 @@ from pipeline.cli.streamstats import IncidentStats, RedisMemory, Snapshot, colle
 from pipeline.config import StreamSettings
 from pipeline.learner.health import read_rank_beats
 from pipeline.transport import incidents
+from pipeline.transport.audit import audit_streams
 from pipeline.transport.keys import Keys
 
 #: Consumer groups whose readers write a worker heartbeat (the learner client writes its own, per rank).
@@ -36,6 +37,8 @@ async def collect_all(redis: aioredis.Redis, keys: Keys, streams: list[str], *, 
     await add_pipeline_state(redis, keys, snap)
     snap.memory = await redis_memory(redis)
     snap.dead_letters_by_stage = await dead_letters_by_stage(redis, keys) if snap.dead_letters else {}
+    with contextlib.suppress(ResponseError):  # a user allowed to read only: the feeder audits too
+        await audit_streams(redis, keys, writer="distillq stats")  # entries lost by hand become incidents now
     snap.incidents = await recent_incidents(redis, keys, snap.time)
     return snap
 

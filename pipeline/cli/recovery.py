@@ -34,7 +34,7 @@ from pipeline.config import StreamSettings
 from pipeline.transport.claimcheck import encode_header
 from pipeline.transport.keys import Keys, pool_stream
 from pipeline.transport.pools import known_pools
-from pipeline.transport.producer import F_DATA, F_ID, WRITTEN, Added, StreamProducer, is_written, message_type
+from pipeline.transport.producer import ACKED, F_DATA, F_ID, WRITTEN, Added, StreamProducer, is_written, message_type
 from schemas import DecodeError, Limits, Message, RolloutGroup, ScoredGroup, decode, encode
 from schemas.pools import pool_of
 
@@ -89,11 +89,14 @@ async def batch_state(redis: aioredis.Redis, keys: Keys, group_id: str, settings
             return BatchState("excluded", named[0])
         held = [eid for eid, _ in await batches_listing(redis, keys, group_id)]
         return BatchState("in_flight", held[0]) if held else BatchState("unknown")
-    if marker in excluded:
-        return BatchState("excluded", marker)
-    if await redis.xrange(keys.stream("batches"), min=marker, max=marker):
-        return BatchState("in_flight", marker)
-    return BatchState("trained", marker)
+    entry = marker.removeprefix(ACKED)
+    if entry in excluded:
+        return BatchState("excluded", entry)
+    if marker.startswith(ACKED):
+        return BatchState("trained", entry)
+    if await redis.xrange(keys.stream("batches"), min=entry, max=entry):
+        return BatchState("in_flight", entry)
+    return BatchState("lost", entry)  # batched, never acknowledged, and the entry is gone (deleted or trimmed)
 
 
 async def find_copy(dead: list[tuple[str, dict[bytes, bytes]]], group_id: str, skip: str, limits: Limits
@@ -135,7 +138,7 @@ async def assess(redis: aioredis.Redis, keys: Keys, entry_id: str, fields: dict[
     refused = batch_gate(group_id, state, _ttl_note(s))
     if refused is not None:
         return refused
-    if state.verdict == "excluded":
+    if state.verdict in ("excluded", "lost"):
         return Replay(plan.target, plan.msg, plan.origin, plan.rescore, clear_batches=True)
     return plan
 
@@ -180,5 +183,5 @@ async def admit_push(redis: aioredis.Redis, keys: Keys, group_id: str, shards: i
     refused = batch_gate(group_id, state, _ttl_note(settings))
     if refused is not None:
         return refused
-    await clear_markers(redis, keys, group_id, shards, batches=state.verdict == "excluded")
+    await clear_markers(redis, keys, group_id, shards, batches=state.verdict in ("excluded", "lost"))
     return None

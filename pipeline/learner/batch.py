@@ -28,6 +28,8 @@ class LearnerBatch:
     rank: int = 0
     world_size: int = 1
     generation: int = 0  # learner ranks: the generation it was handed out in
+    #: every group id the batch entry names (all ranks' parts): their ``batches`` dedupe markers record the ack
+    entry_groups: tuple[str, ...] = ()
 
     @property
     def group_ids(self) -> list[str]:
@@ -66,3 +68,4 @@ class _Raw:
     version: int | None = None  # learner ranks: the policy version the batch was made current with
     all_keys: tuple[str, ...] = ()  # learner ranks: every payload key of the whole batch
     generation: int = 0
+    all_groups: tuple[str, ...] = ()  # learner ranks: every group id of the whole batch

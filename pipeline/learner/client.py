@@ -138,6 +138,7 @@ class AsyncLearner:
             return
         await self.check()
         await retry_transient(self.consumer.ensure_group, redis=self.redis)
+        await self._heartbeat.take()  # one live process per consumer name and rank, else NameHeld
         # Renew the leases of batches handed out and not acked: a step longer than the reclaim idle time
         # keeps its batch (as the workers do with their in-flight entries).
         self._lease = asyncio.ensure_future(renew_leases(self.consumer, self.settings.claim_idle_ms, "learner"))
@@ -211,13 +212,15 @@ class AsyncLearner:
             assert isinstance(msg, BatchManifest | TrainBatch)
             self.consumer.owned.add(d.entry_id)  # its lease is renewed while this rank holds it
             if isinstance(msg, TrainBatch):
-                raw = _Raw(d, batch_part(msg, self.rank, self.world_size), [], cur.version, (), cur.generation)
+                raw = _Raw(d, batch_part(msg, self.rank, self.world_size), [], cur.version, (), cur.generation,
+                           tuple(g.group_id for g in msg.groups))
             else:
                 part = manifest_part(msg, self.rank, self.world_size)
                 wanted = [r.key for r in part.refs]
                 fetch = functools.partial(self._mget, wanted)
                 payloads = await retry_transient(fetch, redis=self.redis) if wanted else []
-                raw = _Raw(d, part, payloads, cur.version, tuple(r.key for r in msg.refs), cur.generation)
+                raw = _Raw(d, part, payloads, cur.version, tuple(r.key for r in msg.refs), cur.generation,
+                           tuple(r.group_id for r in msg.refs))
             got = await self._build(raw)
             assert got is not None  # a rank's part is handed out even when empty
             return got
@@ -239,6 +242,7 @@ class AsyncLearner:
         end = None if timeout_s is None else loop.time() + timeout_s
         backoff = Backoff()
         while True:
+            self._heartbeat.owned()
             block = self.settings.block_ms if end is None else max(1, int(1000 * min(1.0, end - loop.time())))
             try:
                 got = await self.consumer.read(1, block_ms=block)
@@ -292,7 +296,8 @@ class AsyncLearner:
                 m2 = m
             stats = delivery_stats(m.stats, [g.group.policy_version for g in m2.groups], version,
                                    len(m.groups) - len(m2.groups))
-            return self._batch(d, msgspec.structs.replace(m2, stats=stats), (), raw.generation)
+            return self._batch(d, msgspec.structs.replace(m2, stats=stats), (), raw.generation,
+                               raw.all_groups or tuple(g.group_id for g in m.groups))
         groups: list[ScoredGroup] = []
         dropped = 0
         for ref, data in zip(m.refs, raw.payloads, strict=True):
@@ -321,11 +326,14 @@ class AsyncLearner:
             await retry_transient(lambda: self.consumer.ack([d]), redis=self.redis)
             return None
         stats = delivery_stats(m.stats, [g.group.policy_version for g in groups], version, dropped)
-        return self._batch(d, materialize(msgspec.structs.replace(m, stats=stats), groups), keys, raw.generation)
+        named = raw.all_groups if ranked else tuple(r.group_id for r in m.refs)
+        return self._batch(d, materialize(msgspec.structs.replace(m, stats=stats), groups), keys, raw.generation,
+                           named)
 
-    def _batch(self, d: Delivery, b: TrainBatch, keys: tuple[str, ...], generation: int) -> LearnerBatch:
+    def _batch(self, d: Delivery, b: TrainBatch, keys: tuple[str, ...], generation: int,
+               named: tuple[str, ...]) -> LearnerBatch:
         self.progress.handed(d.entry_id, (b.stats or {}).get("delivered_version"))
-        return LearnerBatch(d.entry_id, b, d.reclaimed, d, keys, self.rank, self.world_size, generation)
+        return LearnerBatch(d.entry_id, b, d.reclaimed, d, keys, self.rank, self.world_size, generation, named)
 
     @staticmethod
     def _stale_reason(group_version: int, version: int, bound: int | None) -> str:
@@ -361,18 +369,23 @@ class AsyncLearner:
         Learner ranks: counts this rank's ack; the batch is settled when every rank of one generation has
         acked it. ``False`` when the ack is refused because a rank restarted meanwhile: every rank then gets
         the whole batch again from ``next_batch``."""
-        if self._ranks is None:  # safe to repeat: XACK and XDEL by entry id, DEL of its payloads
-            await retry_transient(lambda: self.consumer.ack([batch.delivery], then_delete=batch.payload_keys),
-                                  redis=self.redis)
+        await retry_transient(self._heartbeat.claim.check, redis=self.redis)  # still this process's name?
+        self._heartbeat.owned()
+        # Its groups' batches markers record the ack (``acked:<entry>``): what says "trained", never the absence of
+        # the entry (a stream deleted or trimmed by hand loses entries no learner acknowledged).
+        marks = [self.keys.seen("batches", g) for g in batch.entry_groups]
+        if self._ranks is None:  # safe to repeat: XACK and XDEL by entry id, marks, DEL of its payloads
+            await retry_transient(lambda: self.consumer.ack([batch.delivery], then_delete=batch.payload_keys,
+                                                            acked_markers=marks), redis=self.redis)
             self.progress.acked(batch.entry_id, True)
             return True
         ranks = self._ranks  # a repeat after a lost reply is answered as refused or counted: never a double ack
         res = await retry_transient(lambda: ranks.ack(batch.entry_id, batch.generation), redis=self.redis)
         self.consumer.owned.discard(batch.entry_id)
         self.progress.acked(batch.entry_id, res > 0)
-        if res == 2 and batch.payload_keys:
-            await retry_transient(lambda: self.redis.delete(*batch.payload_keys), redis=self.redis)
         if res == 2:
+            await retry_transient(lambda: self.consumer.settle(batch.entry_id, marks, batch.payload_keys),
+                                  redis=self.redis)
             metrics.ACKED.labels("batches").inc()
         return res > 0
 

@@ -2,7 +2,9 @@
 
 Every learner client (``Learner`` and ``AsyncLearner``, every rank) writes ``Keys.learner_health(consumer, rank)``
 every ``StreamSettings.heartbeat_interval_s`` with a TTL of three intervals, from its first read until it closes
-(the key is then deleted; a killed process's key expires). The value is JSON:
+(the key is then deleted; a killed process's key expires). The key is also the process's claim on its consumer
+name and rank (``pipeline.transport.identity``): a second live process under the same name and rank is refused,
+and a process whose name was taken stops before its next read or ack. The value is JSON:
 
 =====================  ==========================================================================================
 field                  meaning
@@ -47,6 +49,7 @@ from redis.exceptions import ResponseError
 
 from pipeline import metrics
 from pipeline.transport.connection import TRANSIENT, retry_transient
+from pipeline.transport.identity import Claim, NameHeld
 from pipeline.transport.keys import Keys
 
 log = structlog.get_logger("distillq.learner")
@@ -97,14 +100,33 @@ class LearnerHeartbeat:
                  interval_s: float, progress: LearnerProgress) -> None:
         self.redis, self.interval_s, self.progress = redis, interval_s, progress
         self.key = keys.learner_health(consumer, rank)
+        self.claim = Claim(redis, keys, self.key, f"learner consumer {consumer} rank {rank}")
         self.info: dict[str, Any] = {"rank": rank, "world_size": world_size, "consumer": consumer,
                                      "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self._failing = False
 
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.interval_s * TTL_INTERVALS * 1000))
+
+    def _value(self) -> dict[str, Any]:
+        return {**self.info, **self.progress.report(), "ts": time.time(), "ttl_ms": self.ttl_ms}
+
+    async def take(self, wait_s: float | None = None) -> None:
+        """Claim this consumer name and rank (``pipeline.transport.identity``) before the first read: waits up to
+        ``wait_s`` (default: one TTL and one interval) for another live holder to go, else ``NameHeld``."""
+        wait = self.ttl_ms / 1000 + self.interval_s if wait_s is None else wait_s
+        await retry_transient(lambda: self.claim.take(self._value, self.ttl_ms, wait), redis=self.redis)
+
     async def beat(self) -> None:
-        ttl_ms = max(1, int(self.interval_s * TTL_INTERVALS * 1000))
-        value = json.dumps({**self.info, **self.progress.report(), "ts": time.time(), "ttl_ms": ttl_ms})
-        await self.redis.set(self.key, value, px=ttl_ms)
+        """One write; a name another process holds now is left to it (``claim.lost`` is set)."""
+        await self.claim.write(self._value(), self.ttl_ms)
+
+    def owned(self) -> None:
+        """Raise ``NameHeld`` if another process took this name: this one must neither read nor ack under it."""
+        if (holder := self.claim.lost) is not None:
+            raise NameHeld(f"{self.claim.what} was taken by another process ({holder.describe()}) while this one "
+                           "ran: it stops without acknowledging, and the holder is handed its batches")
 
     async def beat_once(self) -> bool:
         """One beat, retried for at most one interval; ``False`` (counted, logged once per outage) if it failed."""
@@ -128,9 +150,9 @@ class LearnerHeartbeat:
             await asyncio.sleep(self.interval_s)
 
     async def clear(self, timeout_s: float = 2.0) -> None:
-        """Delete the key (best effort, at most ``timeout_s``): the process is leaving."""
+        """Delete the key if this process still holds it (best effort, at most ``timeout_s``): it is leaving."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.redis.delete(self.key), timeout_s)
+            await asyncio.wait_for(self.claim.release(), timeout_s)
 
 
 @dataclass(frozen=True, slots=True)

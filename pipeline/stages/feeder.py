@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
+from redis.exceptions import ResponseError
 
 from pipeline import metrics
 from pipeline.config import StreamSettings
 from pipeline.stages.batching import POOL_STAT, BatchingConfig, Pending, admit, build_batch, take_batch
 from pipeline.stages.kl_control import AdaptiveKL, ConstantKL, load_controller
 from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle, default_consumer_name
+from pipeline.transport.audit import AUDIT_EVERY_S, audit_streams
 from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.connection import TRANSIENT, retry_transient
 from pipeline.transport.consumer import Delivery
@@ -103,12 +105,13 @@ class Feeder:
         ready = s if max_ready_batches is None else s.model_copy(
             update={"max_backlog": min(s.max_backlog, max_ready_batches)})
         self.producer = StreamProducer(redis, keys, "batches", ready)
-        self.heartbeat = Heartbeat(redis, keys.heartbeat("feeder", self.name), s.heartbeat_interval_s,
+        self.heartbeat = Heartbeat(redis, keys, "feeder", self.name, s.heartbeat_interval_s,
                                    extra=self.report)
         self.max_buffered = max_buffered_groups
         self.max_ready_batches = max_ready_batches
         self.state = FeederState()
         self._version_read_at = float("-inf")
+        self._audited_at = time.monotonic()  # the first audit one period after start: the streams are settled
 
     def report(self) -> dict[str, object]:
         """For the heartbeat: the effective settings this feeder batches by (``distillq stats`` names the ones on
@@ -140,8 +143,8 @@ class Feeder:
 
     async def run(self, stop: asyncio.Event, *, burst: bool = False, max_batches: int | None = None) -> RunStats:
         s = self.settings
-        await retry_transient(self.consumer.ensure_group, stop=stop)
-        await retry_transient(self.restore_controller, stop=stop)
+        await retry_transient(self.consumer.ensure_group, stop=stop, redis=self.redis)
+        await retry_transient(self.restore_controller, stop=stop, redis=self.redis)
         life = WorkerLifecycle("feeder", stop, self.state.stats, heartbeat=self.heartbeat, leases=self.consumer,
                                claim_idle_ms=s.claim_idle_ms, grace_s=s.shutdown_grace_s)
         written = 0
@@ -160,6 +163,7 @@ class Feeder:
                     # Entries read are ours now: nothing may fail between here and their admission, or they
                     # would sit in ``owned`` (their leases renewed, skipped by reclaim) and never be batched.
                     await self._refresh_version()
+                    await self._audit()
                     for d in got:
                         await self._admit(d)
                     drained = burst and not got and await self._input_drained()
@@ -196,6 +200,18 @@ class Feeder:
         if raw is not None:
             with contextlib.suppress(ValueError):
                 self.state.policy_version = int(raw)
+
+    async def _audit(self) -> None:
+        """Every ``AUDIT_EVERY_S``: entries the stage streams lost outside distillq, each loss an incident
+        (``pipeline.transport.audit``). Never raises: a failed audit is counted and the next one tries again."""
+        now = time.monotonic()
+        if now - self._audited_at < AUDIT_EVERY_S:
+            return
+        self._audited_at = now
+        try:
+            await audit_streams(self.redis, self.keys, writer=self.name)
+        except (*TRANSIENT, ResponseError):
+            metrics.REDIS_ERRORS.labels("feeder").inc()
 
     async def _admit(self, d: Delivery) -> None:
         try:

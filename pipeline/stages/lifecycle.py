@@ -6,7 +6,9 @@
 * the **heartbeat**: ``Heartbeat`` writes ``health:<stage>:<consumer>`` (JSON: pid, host, start time, last
   beat, messages handled, outcome counts and the stage's own report) every interval with a TTL of three
   intervals (``ttl_ms``, also in the JSON: ``pipeline.stages.liveness`` reads ages on the Redis clock), from
-  entry until stop; the task is cancelled on exit and the key deleted;
+  entry until stop; the task is cancelled on exit and the key deleted. The key is the consumer's claim on its
+  name (``pipeline.transport.identity``): entry waits for another live holder to go or raises ``NameHeld``; a
+  beat that finds the name taken sets stop, and exit then raises ``NameHeld``;
 * **lease renewal** of in-flight entries, for a stage that holds them: ``renew_leases`` resets their idle
   time every third of ``claim_idle_ms`` from entry to exit, so nobody reclaims them while slow work runs;
 * **Redis back-off**: ``redis_error`` counts a transient error (``distillq_redis_errors_total{stage}``),
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import socket
 import time
@@ -41,7 +42,9 @@ from redis.exceptions import ResponseError
 
 from pipeline import metrics
 from pipeline.backoff import Backoff
-from pipeline.transport.connection import TRANSIENT, is_redis_full
+from pipeline.transport.connection import TRANSIENT, is_redis_full, retry_transient
+from pipeline.transport.identity import Claim, NameHeld
+from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import Consumer
 
 log = structlog.get_logger("distillq.lifecycle")
@@ -59,24 +62,49 @@ def default_consumer_name(stage: str) -> str:
 
 
 class Heartbeat:
-    """Writes ``health:<stage>:<consumer>`` with a TTL of three intervals."""
+    """Writes ``health:<stage>:<consumer>`` with a TTL of three intervals; the key is also the consumer's claim on
+    its name (``pipeline.transport.identity``): ``claim`` takes it at start, each beat keeps it, ``clear`` frees it."""
 
     def __init__(
-        self, redis: aioredis.Redis, key: str, interval_s: float, extra: Callable[[], dict[str, object]] | None = None
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        stage: str,
+        consumer: str,
+        interval_s: float,
+        extra: Callable[[], dict[str, object]] | None = None,
     ) -> None:
-        self.redis, self.key, self.interval_s, self.extra = redis, key, interval_s, extra
+        self.redis, self.interval_s, self.extra = redis, interval_s, extra
+        self.key = keys.heartbeat(stage, consumer)
+        self.claim = Claim(redis, keys, self.key, f"{stage} consumer {consumer}")
         self.info: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
 
-    async def beat(self, **extra: object) -> None:
-        ttl_ms = int(self.interval_s * 3000)  # in the JSON too: readers age it on the Redis clock (stages.liveness)
-        self.info.update(extra, ts=time.time(), ttl_ms=ttl_ms)
-        await self.redis.set(self.key, json.dumps(self.info), px=ttl_ms)
+    @property
+    def ttl_ms(self) -> int:
+        return int(self.interval_s * 3000)  # in the JSON too: readers age it on the Redis clock (stages.liveness)
+
+    def _value(self, **extra: object) -> dict[str, object]:
+        self.info.update(extra, ts=time.time(), ttl_ms=self.ttl_ms)
+        return self.info
+
+    async def take(self, stop: asyncio.Event | None = None, wait_s: float | None = None) -> None:
+        """Claim the consumer name before the first read: waits up to ``wait_s`` (default: one TTL and one interval,
+        so a killed holder's key expires meanwhile) for another live holder to go, else ``NameHeld``."""
+        wait = self.ttl_ms / 1000 + self.interval_s if wait_s is None else wait_s
+        await retry_transient(lambda: self.claim.take(lambda: self._value(handled=0, outcomes={}), self.ttl_ms,
+                                                      wait), stop=stop, redis=self.redis)
+
+    async def beat(self, **extra: object) -> bool:
+        """One write; ``False`` when another process holds the name now (``claim.lost``)."""
+        return await self.claim.write(self._value(**extra), self.ttl_ms) is None
 
     async def run(self, stop: asyncio.Event, stats: RunStats) -> None:
         while not stop.is_set():
             try:
                 report = self.extra() if self.extra is not None else {}
-                await self.beat(handled=stats.handled, outcomes=dict(stats.outcomes), **report)
+                if not await self.beat(handled=stats.handled, outcomes=dict(stats.outcomes), **report):
+                    stop.set()  # another process owns the name: stop reading and acking under it
+                    return
             except TRANSIENT:
                 metrics.REDIS_ERRORS.labels("heartbeat").inc()
             except ResponseError as e:  # Redis at maxmemory refuses the SET: the next beat tries again
@@ -88,7 +116,7 @@ class Heartbeat:
 
     async def clear(self) -> None:
         with contextlib.suppress(*TRANSIENT):
-            await self.redis.delete(self.key)
+            await self.claim.release()
 
 
 async def renew_leases(consumer: Consumer, claim_idle_ms: int, stage: str) -> None:
@@ -135,6 +163,7 @@ class WorkerLifecycle:
 
     async def __aenter__(self) -> WorkerLifecycle:
         if self.heartbeat is not None:
+            await self.heartbeat.take(self.stop)
             self._background.append(asyncio.create_task(self.heartbeat.run(self.stop, self.stats),
                                                      name=f"{self.stage}-heartbeat"))
         if self.leases is not None:
@@ -154,6 +183,9 @@ class WorkerLifecycle:
             self._background.clear()
             if self.heartbeat is not None:
                 await self.heartbeat.clear()
+                if (holder := self.heartbeat.claim.lost) is not None and exc_type is None:
+                    raise NameHeld(f"{self.heartbeat.claim.what} was taken by another process ({holder.describe()}) "
+                                   "while this one ran: it stopped reading and acking under that name")
 
     # ---- Redis back-off -----------------------------------------------------------------------------------
 

@@ -91,12 +91,12 @@ class RolloutWorker:
         self.parked = 0  # prompts waiting for room on their pool's stream, not holding a job slot
         self._sampling = asyncio.Semaphore(max_jobs)
         self._life: WorkerLifecycle | None = None
-        self.heartbeat = Heartbeat(redis, keys.heartbeat("rollout", self.name), s.heartbeat_interval_s, stage.report)
+        self.heartbeat = Heartbeat(redis, keys, "rollout", self.name, s.heartbeat_interval_s, stage.report)
 
     async def run(self, stop: asyncio.Event) -> RunStats:
         """Take prompts until ``stop`` (or, with ``burst``, until none is queued or pending)."""
         s = self.settings
-        await retry_transient(self.consumer.ensure_group, stop=stop)
+        await retry_transient(self.consumer.ensure_group, stop=stop, redis=self.redis)
         life = WorkerLifecycle("rollout", stop, self.stats, heartbeat=self.heartbeat, leases=self.consumer,
                                claim_idle_ms=s.claim_idle_ms, grace_s=s.shutdown_grace_s)
         self._life = life

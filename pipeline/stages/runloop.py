@@ -145,7 +145,7 @@ class StageRunner(Generic[M]):
         self.output_stream = output_stream
         self.limits = s.limits()
         self.stats = RunStats()
-        self.heartbeat = Heartbeat(redis, keys.heartbeat(self.stage, self.name), s.heartbeat_interval_s,
+        self.heartbeat = Heartbeat(redis, keys, self.stage, self.name, s.heartbeat_interval_s,
                                    getattr(logic, "report", None))
         self._life: WorkerLifecycle | None = None
 
@@ -157,7 +157,7 @@ class StageRunner(Generic[M]):
     async def run(self, stop: asyncio.Event, *, burst: bool = False, max_messages: int | None = None) -> RunStats:
         """Consume until ``stop`` is set (or, with ``burst``, until the input is drained)."""
         s = self.settings
-        await retry_transient(self.consumer.ensure_group, stop=stop)
+        await retry_transient(self.consumer.ensure_group, stop=stop, redis=self.redis)
         log.info("stage_started", stage=self.stage, consumer=self.name, stream=self.consumer.stream, burst=burst)
         self._life = life = WorkerLifecycle(self.stage, stop, self.stats, heartbeat=self.heartbeat,
                                             leases=self.consumer, claim_idle_ms=s.claim_idle_ms,

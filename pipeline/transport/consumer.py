@@ -39,7 +39,7 @@ from pipeline.config import StreamSettings
 from pipeline.transport import incidents
 from pipeline.transport.connection import TRANSIENT, is_cluster_client, is_nogroup, retry_transient
 from pipeline.transport.keys import Keys
-from pipeline.transport.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE
+from pipeline.transport.producer import F_DATA, F_HEADER, F_ID, F_REF, F_TYPE, mark_acked
 from pipeline.transport.resets import DataState, Sentinel
 
 log = structlog.get_logger("distillq.consumer")
@@ -351,11 +351,14 @@ class StreamConsumer:
             self.owned.discard(d.entry_id)
 
     async def ack(
-        self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False, then_delete: Sequence[str] = ()
+        self, deliveries: Sequence[Delivery], *, keep_payloads: bool = False, then_delete: Sequence[str] = (),
+        acked_markers: Sequence[str] = (),
     ) -> list[Delivery]:
         """Acknowledge and delete entries (and their claim-checked payloads unless ``keep_payloads``), in
         one round trip; then delete ``then_delete`` (keys elsewhere: in the same round trip on a single
         Redis, whose pipeline runs in order; after the ack on a cluster, where nodes run in parallel).
+        ``acked_markers`` (dedupe markers in this stream's slot, of one delivery's groups) are set to
+        ``acked:<entry id>``, keeping their TTL, in the same round trip (``mark_acked``).
 
         Returns those that were no longer pending (one XACK per id tells which): normally none; after a
         Redis restart that rolled back to an older state (``still_pending``), the entries it never had."""
@@ -368,6 +371,7 @@ class StreamConsumer:
             for i in ids:
                 p.xack(self.key, self.group, i)
             p.xdel(self.key, *ids)
+            mark_acked(p, acked_markers, ids[0])
             if blobs:
                 p.delete(*blobs)
             if then_delete and not cluster:
@@ -378,6 +382,17 @@ class StreamConsumer:
         self.owned.difference_update(ids)
         metrics.ACKED.labels(self.stream).inc(len(ids))
         return [d for d, n in zip(deliveries, acked, strict=False) if not int(n)]
+
+    async def settle(self, entry_id: str, acked_markers: Sequence[str], then_delete: Sequence[str]) -> None:
+        """After an entry was acknowledged elsewhere (learner ranks' script): mark its groups' markers acked, then
+        delete ``then_delete`` (its payloads)."""
+        async with self.redis.pipeline(transaction=False) as p:
+            mark_acked(p, acked_markers, entry_id)
+            if then_delete and not self._cluster:
+                p.delete(*then_delete)
+            await p.execute()
+        if then_delete and self._cluster:
+            await self.redis.delete(*then_delete)
 
     async def still_pending(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Those of ``deliveries`` still pending in the group (claimed by us again, their leases renewed).

@@ -19,18 +19,25 @@ key                                                type          written by / me
 ``{ns:scored}`` (``{ns:scored:i}``)                stream        teacher workers; read by the feeder
 ``{ns:batches}``                                   stream        feeder; read by the learner (never sharded)
 ``{ns:dlq}``                                       stream        any stage: dead letters (stage, reason, bytes)
-``<stream key>:seen:<group id>``                   string (TTL)  producer: dedupe marker -> entry id written
+``<stream key>:seen:<group id>``                   string (TTL)  producer: dedupe marker -> entry id written; a
+                                                                 ``batches`` one becomes ``acked:<entry id>`` when a
+                                                                 learner acknowledges that batch
 ``<stream key>:reserving``                         zset          producer: writes reserved, not yet done (cap)
 ``<scored stream key>:payload:<group id>:<n>``     string        teacher: a scored group's bytes (claim check,
                                                                  ``transport.claimcheck``); deleted by the learner
                                                                  client when it acks the batch holding the group
-``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``
+``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``;
+                                                                 also the consumer name's claim: one live process
+                                                                 per name (``transport.identity``)
+``<stream key>:audit``                             string        ``transport.audit``: entries added, length and
+                                                                 entries lost at the stream's last audit
 ``ns:policy_version``                              string        learner: current policy version (int)
 ``ns:pacing``                                      hash          rollout workers with ``--max-ahead``: groups
                                                                  started and the version they last saw
                                                                  (``transport.pacing``)
 ``ns:learner_health:<consumer>:<rank>``            string (TTL)  learner rank heartbeat (JSON: step, held batches,
-                                                                 versions; ``pipeline.learner.health``), for ``stats``
+                                                                 versions; ``pipeline.learner.health``), for
+                                                                 ``stats``; the claim of that name and rank
 ``{ns:batches}:ranks``                             hash          learner ranks: world size, generation, the batch
                                                                  entry all ranks work on, its delivery version
 ``{ns:batches}:ranks:joined``                      hash          learner ranks: rank -> process token (this gen)
@@ -43,6 +50,9 @@ key                                                type          written by / me
 ``ns:incidents``                                   stream        any process: faults outside distillq it noticed
                                                                  (Redis reset, data lost), for ``stats``
                                                                  ``attention:`` (``transport.incidents``)
+``ns:demo``                                        string        ``distillq demo``: this namespace is the demo's (the
+                                                                 next demo run may delete its keys; a namespace
+                                                                 without it is never deleted by the demo)
 ``ns:sentinel``                                    hash          first consumer of the namespace: a random token
                                                                  that lives as long as the namespace's data; a
                                                                  worker that finds it gone or changed names the
@@ -281,6 +291,11 @@ class Keys:
     def incidents(self) -> str:
         """Faults from outside distillq that a process noticed (``pipeline.transport.incidents``)."""
         return f"{self.namespace}:incidents"
+
+    @property
+    def demo_owned(self) -> str:
+        """Set by ``distillq demo`` in a namespace it made: the next demo run may delete that namespace's keys."""
+        return f"{self.namespace}:demo"
 
     @property
     def sentinel(self) -> str:

@@ -34,7 +34,7 @@ import functools
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -58,6 +58,16 @@ _PENDING: Final = "pending:"
 #: A marker's value after a two-step write: the entry id is not known inside the MULTI (reading it back in
 #: Lua would copy the whole entry), so a later duplicate reports this instead of the id.
 WRITTEN: Final = "written"
+#: A ``batches`` marker's value once a learner acknowledged the batch entry it names (``acked:<entry id>``): the
+#: record that the group was trained (``pipeline.cli.recovery.batch_state``).
+ACKED: Final = "acked:"
+
+
+def mark_acked(pipe: Any, markers: Sequence[str], entry_id: str) -> None:
+    """Queue on ``pipe`` the rewrite of ``markers`` to ``acked:<entry_id>``, keeping their TTL (an expired one
+    stays expired)."""
+    for m in markers:
+        pipe.set(m, ACKED + entry_id, xx=True, keepttl=True)
 
 # KEYS: stream, its reservations (sorted set: token -> expiry ms), dedupe markers...; ARGV: cap, token, reserve_ms.
 # Returns {code, marker value, marker index}: 1 reserved, 2 written already, 3 another writer, 0 full.

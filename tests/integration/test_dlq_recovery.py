@@ -129,7 +129,7 @@ async def test_a_teacher_dead_letter_is_scored_again_and_trained_once(
     assert code == 0 and f"replayed {eid} -> rollouts" in out
     assert await p.run() == ["g1"]
     code, out, _ = await cli(capsys, redis_url, keys, "where", "g1")
-    assert out.rstrip().endswith("batched and acknowledged by the learner: it reached training")
+    assert out.rstrip().endswith("): it reached training") and "acknowledged by the learner (batch entry" in out
 
 
 async def test_a_batch_dead_lettered_after_max_deliveries_is_replayed_and_its_groups_trained_once(
@@ -184,7 +184,10 @@ async def test_a_payload_gone_at_the_learner_is_sent_again_from_another_copy_and
     await p.run()
     assert p.trained == Counter({"g1": 1})
     code, out, _ = await cli(capsys, redis_url, keys, "where", "g1")
-    assert "not replayable: it was trained already" in out
+    assert "not replayable: it was trained already" in out  # each dead letter's advice
+    summary = out.rstrip().splitlines()[-1]  # the summary says where it went, not "dead-lettered"
+    assert "acknowledged by the learner (batch entry " in summary and "it reached training; 1 dead letter(s) of " \
+        "it from before" in summary, out
 
 
 async def test_push_force_of_a_group_dead_lettered_stale_by_the_learner_trains_it_once(

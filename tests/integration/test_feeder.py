@@ -87,6 +87,7 @@ async def test_learner_redelivery_after_crash_before_ack(r: aioredis.Redis, keys
     second = await crashed.next_batch(timeout_s=2)
     assert first and second
     await crashed.ack(first)  # the learner dies after one optimiser step
+    await crashed.aclose()  # (its name is free: a killed one's expires with its heartbeat)
     restarted = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast())
     again = await restarted.next_batch(timeout_s=2)
     assert again is not None and again.entry_id == second.entry_id and again.redelivered

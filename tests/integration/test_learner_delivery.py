@@ -76,6 +76,7 @@ async def test_a_batch_entirely_stale_is_skipped_and_the_learner_can_choose_its_
     lb = await deliver.next_batch(2)  # handed out anyway, the staleness at delivery in its stats
     assert lb is not None and lb.group_ids == ids[:2] and (lb.batch.stats or {})["staleness_10"] == 2
     await deliver.ack(lb)
+    await deliver.aclose()  # one live process per consumer name: the next learner-0 starts after it
     strict = AsyncLearner(redis=r, namespace=keys.namespace, settings=fast(), max_staleness=8)
     assert await strict.next_batch(1) is None  # version 1 is 9 behind: both groups dead-lettered, batch settled
     assert [g for g, _ in await dead_letters(r, keys)] == ids[2:]

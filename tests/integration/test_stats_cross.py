@@ -51,8 +51,8 @@ async def test_stats_shows_the_shares_a_cross_teacher_beats(
     await stage.handle([group_of(student, tool_in_answer=True)])
     report = stage.report()
     assert 0 < report["cross_aligned_share"] < 1 and 0 < report["cross_topk_mapped_share"] < 1  # type: ignore[operator]
-    await Heartbeat(r, keys.heartbeat("teacher", "t-cross"), 5.0).beat(handled=1, outcomes={}, **report)
-    await Heartbeat(r, keys.heartbeat("teacher", "t-same"), 5.0).beat(handled=1, outcomes={}, pool="default")
+    await Heartbeat(r, keys, "teacher", "t-cross", 5.0).beat(handled=1, outcomes={}, **report)
+    await Heartbeat(r, keys, "teacher", "t-same", 5.0).beat(handled=1, outcomes={}, pool="default")
 
     snap = json.loads(await stats(capsys, redis_url, keys, "--json"))
     workers = {w["consumer"]: w for w in snap["workers"]}

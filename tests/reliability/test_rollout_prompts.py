@@ -106,7 +106,8 @@ async def test_a_stale_group_is_resampled_with_one_command_and_its_new_group_rea
     assert stage.calls == {"p": 1}
     await learner.ack(batch)
     where = json.loads(await _where_json(private_redis.url, namespace, "0:p@v5"))
-    assert where["summary"] == "batched and acknowledged by the learner: it reached training"
+    assert where["summary"].startswith("batched and acknowledged by the learner (batch entry ")
+    assert where["summary"].endswith("): it reached training")
 
 
 async def _stream_has(r: Any, key: str) -> bool:

@@ -62,6 +62,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("pipeline.teacher.base.TeacherConfigError", ConfigurationError, RuntimeError),
     ("pipeline.teacher.vocab.VocabMismatchError", ConfigurationError, RuntimeError),
     ("pipeline.transport.sharding.ShardConfigError", ConfigurationError, RuntimeError),
+    ("pipeline.transport.identity.NameHeld", ConfigurationError, Exception),
     ("pipeline.demo.realpair.RealPairUnavailable", ConfigurationError, RuntimeError),
     ("pipeline.demo.vocabs.VocabUnavailable", ConfigurationError, RuntimeError),
     ("pipeline.rollout.students.base.StudentBackendError", BackendError, RuntimeError),

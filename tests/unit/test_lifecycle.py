@@ -8,12 +8,15 @@ import json
 from collections import Counter
 from typing import Any, cast
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from structlog.testing import capture_logs
 
 from pipeline import metrics
 from pipeline.stages.lifecycle import Heartbeat, RunStats, WorkerLifecycle
 from pipeline.transport.connection import Backoff
+from pipeline.transport.identity import NameHeld
+from pipeline.transport.keys import Keys
 
 KEY = "t:health:teacher:w1"
 
@@ -26,6 +29,7 @@ class FakeRedis:
         self.ttl_ms: dict[str, int | None] = {}
         self.fail = fail
         self.deleted: list[str] = []
+        self.incidents: list[dict[str, str]] = []
         self.wrote = asyncio.Event()
 
     async def set(self, key: str, value: str, px: int | None = None) -> None:
@@ -39,6 +43,23 @@ class FakeRedis:
         for k in keys:
             self.values.pop(k, None)
             self.deleted.append(k)
+
+    async def xadd(self, key: str, fields: dict[str, str], **kw: Any) -> None:
+        self.incidents.append(fields)
+
+    def register_script(self, script: str) -> Any:
+        """The two scripts of ``pipeline.transport.identity``: the compare-and-set write and the release."""
+        async def run(keys: list[str], args: list[Any]) -> Any:
+            cur = self.values.get(keys[0])
+            if "SET" in script:
+                if cur is not None and args[1] not in cur:
+                    return cur.encode()
+                await self.set(keys[0], args[0], px=args[2])
+                return None
+            if cur is not None and args[0] in cur:
+                await self.delete(keys[0])
+            return 0
+        return run
 
     async def next_write(self) -> dict[str, Any]:
         self.wrote.clear()
@@ -67,7 +88,8 @@ def errors(stage: str) -> float:
 
 
 def heartbeat(redis: FakeRedis, interval_s: float = 0.01) -> Heartbeat:
-    return Heartbeat(cast(Any, redis), KEY, interval_s, lambda: {"unhealthy": None, "tokens_scored": 7})
+    return Heartbeat(cast(Any, redis), Keys("t"), "teacher", "w1", interval_s,
+                     lambda: {"unhealthy": None, "tokens_scored": 7})
 
 
 async def test_heartbeat_is_written_periodically_then_cancelled_and_deleted_on_exit() -> None:
@@ -88,9 +110,11 @@ async def test_heartbeat_is_written_periodically_then_cancelled_and_deleted_on_e
 
 
 async def test_a_failed_heartbeat_write_is_counted_and_the_next_one_is_made() -> None:
-    redis = FakeRedis(fail=1)
-    before = errors("heartbeat")
+    redis = FakeRedis(fail=1)  # the claim at entry is retried through the error
     async with WorkerLifecycle("teacher", asyncio.Event(), heartbeat=heartbeat(redis)):
+        await redis.next_write()
+        before = errors("heartbeat")
+        redis.fail = 1
         info = await redis.next_write()
     assert info["handled"] == 0 and errors("heartbeat") == before + 1
 
@@ -206,3 +230,21 @@ async def test_until_stopped_and_within_grace_for_work_started_elsewhere() -> No
     assert await life.within_grace([never, finished]) == {never}
     assert not never.done()  # the caller decides how to cancel it
     never.cancel()
+
+
+async def test_a_name_held_by_a_live_process_is_refused_after_the_wait_and_a_lost_one_stops_the_worker() -> None:
+    redis = FakeRedis()
+    other = heartbeat(redis)
+    await other.take(wait_s=0)
+    mine = heartbeat(redis)
+    with pytest.raises(NameHeld, match=r"teacher consumer w1 is held by a live process \(pid \d+ on host"):
+        await mine.take(wait_s=0.05)
+    assert [i["kind"] for i in redis.incidents] == ["name_refused"]  # for distillq stats
+    await other.clear()
+    stop = asyncio.Event()
+    with pytest.raises(NameHeld, match="was taken by another process"):
+        async with WorkerLifecycle("teacher", stop, heartbeat=mine):
+            await redis.next_write()
+            redis.values[KEY] = json.dumps({"pid": 1, "host": "elsewhere", "token": "theirs"})  # taken meanwhile
+            await asyncio.wait_for(stop.wait(), 5)  # the next beat finds it taken and stops the worker
+    assert "theirs" in redis.values[KEY]  # leaving never frees the name of the new holder

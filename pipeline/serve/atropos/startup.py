@@ -124,7 +124,7 @@ async def open_server(cfg: ServeConfig, stop: asyncio.Event) -> tuple[Server, li
     replica = f"{cfg.consumer_name}-{socket.gethostname()}-{os.getpid()}"
     server = Server(cfg, redis, keys, state, queue, ingest, lock=SharedLock(redis, keys.atropos("lock")),
                     replica=replica)
-    beat = Heartbeat(redis, keys.heartbeat(STAGE, replica), cfg.streams.heartbeat_interval_s)
+    beat = Heartbeat(redis, keys, STAGE, replica, cfg.streams.heartbeat_interval_s)
     tasks: list[asyncio.Task[Any]] = [asyncio.create_task(queue.run_mover(stop, beat), name="atropos-mover")]
     log.info("atropos_server_ready", namespace=keys.namespace, shards=shards, consumer=cfg.consumer_name,
              replica=replica)

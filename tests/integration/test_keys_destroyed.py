@@ -1,0 +1,100 @@
+"""Stage streams destroyed or trimmed by hand (real redis-server, in-process stages): the loss is an incident in
+``distillq stats`` naming the stream and how many entries, ``where`` answers from the learner's acknowledgements
+(never "reached training" for a group no learner acknowledged), ``push --force`` sends a lost group again, and in
+the end every group is trained exactly once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from pipeline.learner.client import AsyncLearner
+from pipeline.transport.audit import audit_streams
+from pipeline.transport.keys import Keys
+from pipeline.transport.producer import StreamProducer
+from schemas.build import synthetic_rollout
+from tests.integration.test_cli_ops import cli
+from tests.integration.test_dlq_recovery import Pipeline, push_file
+from tests.integration.test_feeder import fast
+from tests.integration.test_learner_delivery import feed
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
+
+
+async def stats(capsys: pytest.CaptureFixture[str], redis_url: str, keys: Keys) -> dict[str, object]:
+    code, out, err = await cli(capsys, redis_url, keys, "stats", "--json")
+    assert code == 0, err
+    return dict(json.loads(out))
+
+
+def incidents_of(snap: dict[str, object], kind: str) -> list[str]:
+    return [str(i["text"]) for i in snap["incidents"] if i["kind"] == kind]  # type: ignore[attr-defined]
+
+
+async def test_batches_stream_deleted_with_unacknowledged_batches(
+    r: aioredis.Redis, keys: Keys, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    groups = [synthetic_rollout(2, 12, group_id=f"g{i}") for i in range(6)]
+    p = Pipeline(r, keys)
+    for g in groups:
+        await StreamProducer(r, keys, "rollouts", fast()).send(g)
+    await p.teach()
+    await feed(r, keys, max_batch_groups=2)  # 3 batches of 2 groups
+    batches = await r.xlen(keys.stream("batches"))
+    assert batches == 3
+    async with AsyncLearner(redis=r, namespace=keys.namespace, settings=fast(), prefetch=False) as learner:
+        first = await learner.next_batch(1)
+        assert first is not None
+        await learner.ack(first)  # one batch trained; the rest wait, unacknowledged
+        held = await learner.next_batch(1)  # and one handed out, not acknowledged
+        assert held is not None
+    trained = set(first.group_ids)
+    assert await stats(capsys, redis_url, keys)  # an audit: the stream's record
+    assert await r.delete(keys.stream("batches")) == 1  # by hand
+    snap = await stats(capsys, redis_url, keys)
+    (text,) = incidents_of(snap, "stream_deleted")
+    assert text.startswith(f"stream {keys.stream('batches')} was deleted (DEL, FLUSHDB or UNLINK by hand) holding "
+                           f"{batches - 1} entries its learner consumers had not acknowledged")
+    assert any("stream_deleted" in a for a in snap["attention"])  # type: ignore[attr-defined]
+    lost = [g for g in groups if g.group_id not in trained]
+    for g in groups:
+        code, out, _ = await cli(capsys, redis_url, keys, "where", g.group_id)
+        summary = out.rstrip().splitlines()[-1]
+        if g.group_id in trained:
+            assert "acknowledged by the learner" in summary and summary.endswith("it reached training"), out
+        else:
+            assert "lost: batched into entry" in summary and "which no learner acknowledged" in summary, out
+    code, out, err = await cli(capsys, redis_url, keys, "push", push_file(tmp_path, *lost), "--force")
+    assert code == 0 and out.startswith(f"pushed {len(lost)} group(s)"), err
+    await p.teach()
+    await p.feed()
+    got = await p.learn()
+    assert sorted(got) == sorted(g.group_id for g in lost)  # each lost group once more, none trained twice
+    code, out, err = await cli(capsys, redis_url, keys, "push", push_file(tmp_path, *groups[:1]), "--force")
+    assert code == 1 and "it was trained already" in err
+
+
+async def test_rollouts_trimmed_by_hand(
+    r: aioredis.Redis, keys: Keys, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    groups = [synthetic_rollout(2, 12, group_id=f"r{i}") for i in range(10)]
+    for g in groups:
+        await StreamProducer(r, keys, "rollouts", fast()).send(g)
+    p = Pipeline(r, keys)
+    assert await audit_streams(r, keys, "test") == []  # the record; nothing lost yet
+    assert await r.xtrim(keys.stream("rollouts"), maxlen=4, approximate=False) == 6  # by hand
+    snap = await stats(capsys, redis_url, keys)
+    (text,) = incidents_of(snap, "stream_trimmed")
+    assert text.startswith(f"6 entries of stream {keys.stream('rollouts')} were removed (XTRIM or XDEL by hand) "
+                           "before its teacher consumers acknowledged them")
+    assert incidents_of(await stats(capsys, redis_url, keys), "stream_trimmed") == [text]  # reported once
+    code, out, _ = await cli(capsys, redis_url, keys, "where", "r0")
+    assert "lost: written to rollouts" in out and "distillq push --force FILE sends it again" in out
+    assert sorted(await p.run()) == [f"r{i}" for i in range(6, 10)]
+    code, out, err = await cli(capsys, redis_url, keys, "push", push_file(tmp_path, *groups[:6]), "--force")
+    assert code == 0, err
+    assert sorted(await p.run()) == [f"r{i}" for i in range(6)]
+    assert incidents_of(await stats(capsys, redis_url, keys), "stream_trimmed") == [text]  # normal flow: no loss
