@@ -37,7 +37,8 @@ async def shard_plan(
     args: argparse.Namespace, redis: aioredis.Redis, keys: Keys, stop: asyncio.Event | None = None
 ) -> tuple[int, list[int]]:
     """The pipeline's shard count (from Redis, shared by all workers) and the shards this worker reads."""
-    shards = await retry_transient(lambda: get_shards(redis, keys), stop=stop)  # Redis may not be up yet: wait
+    # Redis may not be up yet: wait
+    shards = await retry_transient(lambda: get_shards(redis, keys), stop=stop, redis=redis)
     return shards, parse_assigned(getattr(args, "shards", None), shards)
 
 

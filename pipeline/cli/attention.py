@@ -6,8 +6,8 @@ Redis memory near or at ``maxmemory``, or an evicting policy; a full stream; a s
 no live worker of the stage that reads it (a teacher pool's stream: no live teacher worker of that pool);
 entries delivered more than once (rollout jobs retrying) and
 rollout dead letters; learner ranks missing (a rank heartbeats a world size and another rank below it has no
-heartbeat) and a learner rank holding a batch longer than ``hold_warn_s`` (from its heartbeat; from the oldest
-pending batch when no heartbeat of its consumer is live); what workers
+heartbeat), a learner rank holding a batch longer than ``hold_warn_s`` (from its heartbeat) and batches held
+under a learner consumer name no live learner process has (a learner that stopped or failed); what workers
 report (a failing or slow backend, invalid teacher values, teacher and feeder drops, clamped k); feeders
 that disagree on a setting; a worker clock off Redis's by more than ``MAX_SKEW_S``; consumers holding
 entries without a live heartbeat; dead letters.
@@ -84,8 +84,13 @@ def memory_notes(snap: Snapshot) -> list[str]:
     out: list[str] = []
     used = f"used {size(m.used_bytes)}" + (f" of maxmemory {size(m.max_bytes)}" if m.max_bytes else "")
     share = m.used_fraction
-    if (share is not None and share >= 1.0) or m.oom_errors_new:
-        refused = f", {m.oom_errors_new} write(s) refused since the last refresh" if m.oom_errors_new else ""
+    # One snapshot cannot tell refusals of now from older ones: near the limit, any refusal since Redis started
+    # counts (with refreshes, those since the last one).
+    refusing = m.oom_errors_new if m.oom_errors_new is not None else (
+        m.oom_errors if share is not None and share >= MEMORY_WARN else 0)
+    if (share is not None and share >= 1.0) or refusing:
+        since = "since the last refresh" if m.oom_errors_new is not None else "since Redis started"
+        refused = f", {refusing} write(s) refused for memory {since}" if refusing else ""
         out.append(f"Redis is full: writes wait ({used}{refused}); drain the streams or raise maxmemory")
     elif share is not None and share >= MEMORY_WARN:
         out.append(f"Redis is nearly full ({used}, {share:.0%}): at maxmemory writes wait")
@@ -189,24 +194,31 @@ def learner_rank_notes(snap: Snapshot) -> list[str]:
 
 
 def learner_hold_notes(snap: Snapshot) -> list[str]:
-    """Batches pending to the learner whose entry is older than ``hold_warn_s`` (an entry is pending from its
-    delivery on, so this bounds the hold from above; a learner renews its leases, so the idle time does not
-    tell how long it holds a batch, only whether it still renews). When the consumer holding the oldest one
-    has a live rank heartbeat, ``learner_rank_notes`` tells the hold exactly and this says nothing."""
+    """Batches pending to a learner consumer name no live learner process holds (no rank heartbeat of that name):
+    the learner stopped or failed, and its batches wait for the next one. A learner whose heartbeat is live is
+    ``learner_rank_notes``' (it tells the hold exactly). The oldest pending batch's age (from its entry id) bounds
+    how long it has been held; its idle time says whether anything still renews its lease."""
     s = snap.streams.get("batches")
     g = _group(s, CONSUMER_GROUPS["batches"]) if s is not None else None
-    age = g.oldest_pending_age_s if g is not None else None
-    if g is None or not g.pending or age is None or age <= snap.hold_warn_s:
+    if g is None or not g.pending:
         return []
-    if any(b.consumer == g.oldest_pending_consumer for b in snap.learners):
-        return []
-    line = (f"learner {g.oldest_pending_consumer or '?'} holds {g.pending} batch(es) unacknowledged, the oldest "
-            f"written {secs(age)} ago (over {snap.hold_warn_s:.0f} s, --hold-warn): a long step, an evaluation or "
-            "a checkpoint, or a stopped learner")
-    idle = g.oldest_pending_idle_s
-    if idle is not None and idle >= snap.claim_idle_s:
-        line += f"; its lease was last renewed {secs(idle)} ago: the learner process is stopped or gone"
-    return [line]
+    live = {b.consumer for b in snap.learners}
+    holders = [(c.name, c.pending) for c in g.consumer_list if c.pending and c.name not in live]
+    if not g.consumer_list and g.oldest_pending_consumer and g.oldest_pending_consumer not in live:
+        holders = [(g.oldest_pending_consumer, g.pending)]
+    out = []
+    for name, n in holders:
+        line = (f"learner {name} holds {n} batch(es) unacknowledged and no learner process of that name is alive "
+                "(no heartbeat): it stopped or failed (its log says why); a learner started as "
+                f"{name} is handed them at once, one under another name once they are idle "
+                f"{secs(snap.claim_idle_s)}")
+        age, idle = g.oldest_pending_age_s, g.oldest_pending_idle_s
+        if g.oldest_pending_consumer == name and age is not None:
+            line += f"; the oldest was written {secs(age)} ago"
+            if idle is not None and idle >= snap.claim_idle_s:
+                line += f" and its lease last renewed {secs(idle)} ago"
+        out.append(line)
+    return out
 
 
 def worker_notes(snap: Snapshot) -> list[str]:

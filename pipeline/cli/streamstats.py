@@ -115,6 +115,7 @@ class WorkerStats:
     slow: str | None = None  # alive and working, but slowly (teacher: its backend's calls take long)
     clamped_k: int = 0  # teacher: groups whose k was clamped to the cap (``--k-over-cap clamp``)
     checkpoint: str | None = None  # rollout: the published version it refused to load, and the one it kept
+    weights_version: int | None = None  # rollout: the policy version of the last group it sampled
     settings: dict[str, Any] = field(default_factory=dict)  # feeder: its effective batching settings
     clock_skew_s: float | None = None  # the worker's clock minus Redis's at its last beat (None: unknown)
     pool: str | None = None  # teacher: the pool it serves
@@ -243,6 +244,7 @@ def worker_of(b: Beat) -> WorkerStats:
         slow=None if not info.get("slow") else str(info["slow"]),
         clamped_k=_counts({"n": info.get("clamped_k")}).get("n", 0),
         checkpoint=None if not info.get("checkpoint_not_loadable") else str(info["checkpoint_not_loadable"]),
+        weights_version=_int_or_none(info.get("weights_version")) if b.stage == "rollout" else None,
         settings=dict(settings) if isinstance(settings, dict) else {},
         clock_skew_s=b.skew_s, pool=str(info["pool"]) if b.stage == "teacher" and info.get("pool") else None,
         cross_tokenizer=b.stage == "teacher" and "cross_aligned_share" in info,

@@ -5,19 +5,24 @@ if it dies unexpectedly (any status but 0 and 2, or a signal). One that exits wi
 it refused its configuration, and a restart would refuse again) is reported once
 (``process_refused_config``, with its last log line: the ``distillq: ...`` line naming the problem) and not
 restarted; one that used up its restarts is reported once (``process_gave_up``). ``stop`` sends SIGTERM to
-every group, waits for a grace period, then SIGKILLs what is left: no process outlives the supervisor.
+every group, waits for a grace period, then SIGKILLs what is left: no process outlives the supervisor. A supervisor
+killed outright (SIGKILL, a crash) cannot do that: each child is started with the parent-death signal set
+(``die_with``), so the kernel sends it SIGTERM and it stops gracefully. A process started under a consumer name
+that another live process holds (an earlier supervisor's) is refused with that process's host and pid (exit
+status 2, ``pipeline.transport.identity``), and reported here as a configuration refusal.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -25,9 +30,11 @@ from typing import IO
 import structlog
 
 from pipeline.backoff import BackoffPolicy
-from pipeline.stages.exits import EXIT_USAGE
+from pipeline.stages.exits import EXIT_INTERRUPTED, EXIT_USAGE
 
 log = structlog.get_logger("distillq.supervisor")
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 #: The wait before restarting a crashed process (``pipeline.backoff``): up to 1 s, 2 s, 4 s, ... 30 s.
 RESTART_BACKOFF = BackoffPolicy(base=1.0, cap=30.0)
@@ -70,7 +77,8 @@ class Supervisor:
         if p.log_file is None:
             p.log_file = open(self.log_path(p), "ab")  # noqa: SIM115
         p.popen = subprocess.Popen(p.spec.argv, env={**self.base_env, **p.spec.env}, stdout=p.log_file,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=die_with(os.getpid()))  # noqa: PLW1509 (one prctl call, no lock)
         log.debug("process_started", name=p.spec.name, pid=p.popen.pid, restarts=p.restarts)
 
     def start(self) -> None:
@@ -141,6 +149,22 @@ class Supervisor:
             if p.log_file is not None:
                 p.log_file.close()
                 p.log_file = None
+
+
+def die_with(parent: int) -> Callable[[], None] | None:
+    """For ``Popen(preexec_fn=...)``: the child gets SIGTERM when ``parent`` dies, even by SIGKILL (Linux
+    ``PR_SET_PDEATHSIG``; its own session keeps it out of the terminal's signals), so a killed supervisor leaves no
+    orphans. ``None`` where the system has no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nothing would signal us
+            os._exit(EXIT_INTERRUPTED)
+
+    return arm
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -113,16 +113,31 @@ async def live_workers(settings: RedisSettings, keys: Keys) -> int:
         await r.aclose()
 
 
-async def clear_namespace(settings: RedisSettings, keys: Keys) -> int:
-    """Delete the keys an earlier run left under ``keys``' namespace on ``settings.redis_url``. Returns how many."""
+async def namespace_state(settings: RedisSettings, keys: Keys) -> tuple[int, bool]:
+    """How many keys ``keys``' namespace holds, and whether ``distillq demo`` made it (``Keys.demo_owned``)."""
+    r = connect(settings)
+    try:
+        found = await _namespace_keys(r, keys)
+        return len(found - {keys.demo_owned.encode()}), keys.demo_owned.encode() in found
+    finally:
+        await r.aclose()
+
+
+async def _namespace_keys(r: aioredis.Redis, keys: Keys) -> set[bytes]:
     ns = keys.namespace
+    return {k for pattern in (f"{{{ns}:*", f"{ns}:*") async for k in r.scan_iter(match=pattern, count=1000)}
+
+
+async def clear_namespace(settings: RedisSettings, keys: Keys) -> int:
+    """Delete the keys an earlier demo run left under ``keys``' namespace on ``settings.redis_url``, then mark the
+    namespace as the demo's (``Keys.demo_owned``). Returns how many were deleted. The caller checked that the demo
+    made it (``namespace_state``)."""
     deleted = 0
     r = connect(settings)
     try:
-        for pattern in (f"{{{ns}:*", f"{ns}:*"):
-            found_keys = {k async for k in r.scan_iter(match=pattern, count=1000)}
-            for k in found_keys:  # one by one: on a Cluster they span slots
-                deleted += int(await r.unlink(k))
+        for k in await _namespace_keys(r, keys) - {keys.demo_owned.encode()}:  # one by one: a Cluster's span slots
+            deleted += int(await r.unlink(k))
+        await r.set(keys.demo_owned, "distillq demo")
     finally:
         await r.aclose()
     return deleted
@@ -132,7 +147,10 @@ def process_specs(cfg: DemoConfig, student: Path, teacher: Path, first_step: int
     """The demo's processes; ``first_step``: the learner step a resumed run goes on from (its ``--steps`` is the
     total to reach, so ``cfg.steps`` more)."""
     weights = str((cfg.out / "weights").absolute())
-    rest = ("--group-size", str(cfg.group_size), "--max-tokens", "6", "--reward", "math", "--max-jobs", "2")
+    # Paced to the learner (it publishes every step): no group starts more than 2 versions ahead, so none reaches
+    # the feeder's bound of 3 however slowly the processes start (the same commands run by hand, `--commands`).
+    rest = ("--group-size", str(cfg.group_size), "--max-tokens", "6", "--reward", "math", "--max-jobs", "2",
+            "--max-ahead", "2", "--groups-per-step", str(cfg.groups_per_batch))
     specs = [
         ProcSpec(f"rollout-{i}", distillq_argv(
             "worker", "rollout", "--backend", "hf", "--model", str(student), "--weights-dir", weights,

@@ -16,6 +16,7 @@ pipeline.demo.learner`` and ``python -m pipeline.cli.commands.serve_student``. I
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from typing import Final
 
@@ -51,6 +52,15 @@ class CliError(DistillqError):
         self.message = message
         self.status = status
 
+
+#: Storage failures a user acts on (a folder not writable, a disk or quota full): errno -> what to do.
+_STORAGE_ERRNOS: Final = {
+    errno.EACCES: "give this process write access to it, or pass another folder",
+    errno.EPERM: "give this process write access to it, or pass another folder",
+    errno.EROFS: "the file system is read-only: pass a folder on a writable one",
+    errno.ENOSPC: "the disk is full: free space or pass a folder on another disk",
+    errno.EDQUOT: "the disk quota is exhausted: free space or pass a folder elsewhere",
+}
 
 _KNOWN: Final = (CliError, ConfigurationError, LearnerError, ValidationError, *REDIS_ERRORS)
 
@@ -94,7 +104,8 @@ def describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int] | 
 
     ``CliError``: its own status. ``ConfigurationError`` and an invalid setting: ``EXIT_USAGE``. Redis errors,
     and a ``LearnerError`` that is a ``ConnectionError`` (the learner client cannot reach Redis): ``EXIT_REDIS``;
-    another ``LearnerError`` (a rank taken over): ``EXIT_FAILED``."""
+    another ``LearnerError`` (a rank taken over): ``EXIT_FAILED``. A file that cannot be written (permission,
+    read-only file system, disk or quota full; ``OSError`` naming the file): ``EXIT_FAILED``."""
     exc = _leaf(exc)
     if isinstance(exc, CliError):
         return exc.message, exc.status
@@ -106,6 +117,8 @@ def describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int] | 
         return redis_error_line(exc, redis_url(args)), EXIT_REDIS
     if isinstance(exc, LearnerError):
         return _one_line(str(exc)), EXIT_REDIS if isinstance(exc, ConnectionError) else EXIT_FAILED
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS and exc.filename:
+        return f"cannot write {exc.filename}: {exc.strerror} ({_STORAGE_ERRNOS[exc.errno]})", EXIT_FAILED
     return None
 
 

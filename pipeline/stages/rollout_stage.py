@@ -103,14 +103,17 @@ class RolloutStage:
         self.synced = backend if isinstance(backend, SyncedStudent) and backend.synced else None
         self.reloader = backend if isinstance(backend, WeightReloader) else None  # a local student's own loads
         self.loaded = -1  # version of the weights in the local model (weights-dir mode)
+        self.sampled_version: int | None = None  # the policy version of the last group sampled
         self._reload_lock = asyncio.Lock()
 
     def report(self) -> dict[str, object]:
         """Figures for the heartbeat: ``checkpoint_not_loadable``, the published version the student refused and
         the one it samples with (``pipeline.rollout.refusals``), while such a refusal is in force (``stats``
-        names it under ``attention:``)."""
+        names it under ``attention:``); ``weights_version``, the policy version of the last group it sampled
+        (``stats`` shows it per rollout worker)."""
         follower = self.reloader or self.synced  # the student that loads published weights, if any
-        return {"checkpoint_not_loadable": follower.checkpoint_refusals.report() if follower is not None else None}
+        return {"checkpoint_not_loadable": follower.checkpoint_refusals.report() if follower is not None else None,
+                "weights_version": self.sampled_version}
 
     async def current_version(self) -> int:
         """The published version; a local student with a weights directory loads it first (if newer)."""
@@ -139,4 +142,7 @@ class RolloutStage:
                 group_overrides=job.group_overrides, metadata=job.metadata,
             )
 
-        return await once() if self.synced is None else await sample_attributed(once)
+        group = await once() if self.synced is None else await sample_attributed(once)
+        if group is not None:
+            self.sampled_version = group.policy_version
+        return group

@@ -10,6 +10,9 @@ from pipeline.stages.runloop import DeadLetter, Emit, Outcome
 from pipeline.stages.scoring import Scorer
 from schemas import DistillStatus, RolloutGroup
 
+#: Calls in a row that all timed out, at least, for a teacher to count as unhealthy (``--check`` answers 1).
+ALL_TIMED_OUT = 3
+
 
 class TeacherStage:
     """Scores each read batch of groups together. Dropped payloads flow on (or go to the DLQ)."""
@@ -25,8 +28,9 @@ class TeacherStage:
         """Figures for the heartbeat: groups by status, drops by reason (``invalid_logprobs``, ``teacher_error``,
         ...), tokens scored, ``clamped_k`` (groups whose k was clamped to the teacher's cap), ``unhealthy`` (read
         by ``--check`` and ``distillq stats``) while the backend's latest calls all failed for a reason other than
-        a timeout (connection refused, an error status, an engine gone), and ``slow`` while any of the last
-        ``SLOW_WINDOW`` calls timed out (the backend took the request but answered too late; not unhealthy). A teacher
+        a timeout (connection refused, an error status, an engine gone) or while the last ``ALL_TIMED_OUT`` or more
+        calls all timed out (it answers nothing in time), and ``slow`` while any of the last ``SLOW_WINDOW`` calls
+        timed out (the backend took the request but answered too late; alone, not unhealthy). A teacher
         of another tokenizer adds ``cross_aligned_share`` (the share of trained tokens in aligned chunks with teacher
         signal), ``cross_topk_mapped_share`` (the share of the teacher's top-k probability mass, at the rows
         looked up, that mapped to student ids) and ``cross_fallback_bytes`` (trained bytes that were not UTF-8
@@ -37,6 +41,10 @@ class TeacherStage:
         slow_calls = sum(st.timed_out_calls)
         slow = (f"teacher slow: {slow_calls} of the last {len(st.timed_out_calls)} calls timed out after "
                 f"{st.timeout_s:g} s") if slow_calls and st.timeout_s is not None else None
+        in_a_row = next((i for i, t in enumerate(reversed(st.timed_out_calls)) if not t), len(st.timed_out_calls))
+        if unhealthy is None and slow is not None and in_a_row >= ALL_TIMED_OUT:
+            unhealthy = (f"teacher backend answers nothing in time: the last {in_a_row} calls all timed out "
+                         f"after {st.timeout_s:g} s")  # slow is one thing; no answer at all is a failing backend
         out: dict[str, object] = {
             "pool": self.scorer.pool, "model": self.scorer.identity, "status": dict(st.groups),
             "drops": dict(st.reasons), "tokens_scored": st.tokens_scored, "clamped_k": st.clamped_groups,

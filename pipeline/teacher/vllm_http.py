@@ -32,6 +32,7 @@ import structlog
 
 from pipeline.backoff import Backoff
 from pipeline.teacher.base import (
+    INVALID_LOGPROBS,
     K_OVER_CAP,
     MISALIGNED,
     ScoreFailure,
@@ -47,12 +48,23 @@ from pipeline.urls import server_root
 #: Responses smaller than this are parsed on the event loop (a thread hop costs more than the parse).
 PARSE_INLINE_BELOW: Final = 256 * 1024
 _CAP_RE: Final = re.compile(r"greater than max allowed:?\s*(\d+)?", re.IGNORECASE)
+#: NaN and Infinity literals outside strings, as Python's json module writes non-finite floats (not JSON).
+_NON_FINITE: Final = re.compile(rb"[:\[,]\s*-?(?:NaN|Infinity)\s*[,\]}]")
 #: ``prompt_logprobs`` sent by the cap probe; accepted means "no effective cap" up to this value.
 PROBE_K: Final = 1 << 20
 
 log = structlog.get_logger("distillq.teacher")
 #: Seconds between two ``teacher_unreachable`` lines while start-up waits for a server.
 STARTUP_LOG_EVERY_S: Final = 10.0
+
+
+def unparseable(content: bytes, e: Exception) -> ScoreFailure:
+    """Why an answer that does not parse is refused: ``invalid_logprobs`` when it holds NaN or Infinity (Python's
+    json writes non-finite floats so, which is not JSON), else ``misaligned: unparseable response``."""
+    if isinstance(e, msgspec.DecodeError) and _NON_FINITE.search(content):
+        return ScoreFailure(f"{INVALID_LOGPROBS}: the teacher answered a non-finite number (NaN or Infinity) where "
+                            "a logprob goes", retryable=False)
+    return ScoreFailure(f"{MISALIGNED}: unparseable response ({type(e).__name__}: {e})", retryable=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +262,7 @@ class HTTPTeacher:
             # thread, so the worker's loop keeps its heartbeat, leases and other calls going meanwhile.
             return await asyncio.to_thread(self.parse, content, req)
         except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
-            return ScoreFailure(f"{MISALIGNED}: unparseable response ({type(e).__name__}: {e})", retryable=False)
+            return unparseable(content, e)
 
     async def _get_json(self, url: str) -> Any:
         resp = await self._http().get(url)

@@ -9,6 +9,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import structlog
@@ -240,7 +241,7 @@ async def retry_transient(
     loop = asyncio.get_running_loop()
     end = None if deadline_s is None else loop.time() + deadline_s
     backoff = Backoff()
-    logged_full = float("-inf")
+    logged_full = logged_away = float("-inf")
     while True:
         try:
             return await op()
@@ -250,6 +251,9 @@ async def retry_transient(
                 raise
             if on_error is not None:
                 on_error(e, delay)
+            elif loop.time() - logged_away >= FULL_LOG_EVERY_S:  # never silent while it waits
+                logged_away = loop.time()
+                log.warning("redis_unavailable", error=await explain_unavailable(e, redis), retry_in=round(delay, 2))
             await asyncio.sleep(delay)
         except ResponseError as e:
             if not (wait_when_full and is_redis_full(e)) or (stop is not None and stop.is_set()):
@@ -260,6 +264,17 @@ async def retry_transient(
                 mem = await memory_use(redis) if redis is not None else {}
                 log.warning("redis_full", error=str(e).split(".")[0], retry_in=round(delay, 2), **mem)
             await asyncio.sleep(delay)
+
+
+async def explain_unavailable(exc: BaseException, redis: aioredis.Redis | None) -> str:
+    """``exc``'s text, or what the server says when it refuses new clients (``max number of clients reached``:
+    redis-py reports only a failed write then)."""
+    text = str(exc)
+    kw = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", None)
+    if "while writing to socket" not in text or not isinstance(kw, dict) or "host" not in kw:
+        return text
+    greeting = await asyncio.to_thread(server_greeting, f"redis://{kw['host']}:{kw.get('port', 6379)}")
+    return f"Redis refuses new connections: {greeting} (maxclients)" if greeting else text
 
 
 def _os_reason(exc: BaseException) -> str | None:
@@ -295,4 +310,25 @@ def redis_error_line(exc: BaseException, url: str | None) -> str:
     if reason is None:
         text = str(exc).split(": Error ")[0] if isinstance(exc, RedisClusterException) else str(exc)
         reason = text.rstrip(".") or type(exc).__name__
+    if url and ("max number of clients" in reason or "while writing to socket" in reason):
+        greeting = server_greeting(url)  # a server over maxclients says so on accept, then closes
+        if greeting is not None and "max number of clients" in greeting:
+            return (f"Redis{where} refuses new connections: {greeting} (maxclients): close idle clients (CLIENT "
+                    "LIST, CLIENT KILL) or raise maxclients, then run this again")
     return f"cannot reach Redis{where}: {reason}"
+
+
+def server_greeting(url: str, timeout_s: float = 1.0) -> str | None:
+    """What a Redis server at ``url`` sends unasked right after accepting a connection (an error line when it refuses
+    the client: ``ERR max number of clients reached``), else None. Plain TCP only (``redis://``)."""
+    parts = urlsplit(url)
+    if parts.scheme != "redis" or parts.hostname is None:
+        return None
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 6379), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s / 2)
+            data = sock.recv(256)
+    except OSError:
+        return None
+    text = data.decode("utf-8", "replace").strip()
+    return text.removeprefix("-").removeprefix("ERR ") or None

@@ -112,6 +112,10 @@ class RedisStore:
         import redis
 
         parts = urlsplit(url)
+        path = parts.path.strip("/")
+        if path and not path.isdigit():  # redis-py would take "0/1" as database 0 and drop the rest
+            raise ConfigurationError(f"weights location {redact(url)}: the path must be one database number "
+                                     f"(redis://host:port/DB?prefix=NAME), not {parts.path!r}")
         query = parse_qs(parts.query)
         prefix = query.pop("prefix", [DEFAULT_PREFIX])[0]
         for name in WRITER_OPTIONS:
@@ -274,8 +278,10 @@ def summary(url: str) -> dict[str, object]:
 def summary_line(s: dict[str, object]) -> str:
     versions = s["versions"]
     assert isinstance(versions, list)
-    kept = f"v{versions[0]}..v{versions[-1]} ({len(versions)})" if versions else "none"
     used = s["store_used_bytes"]
+    if s["newest"] is None:
+        return f"weights at {s['url']}: no version published yet (a learner's publish_weights writes the first)"
+    kept = f"v{versions[0]}..v{versions[-1]} ({len(versions)})" if versions else "none"
     return (f"weights at {s['url']}: newest v{s['newest']} (snapshot v{s['snapshot']}), kept {kept}, "
             f"{int(s['stored_bytes']) / 2**20:.1f} MiB of chunks"  # type: ignore[call-overload]
             + (f", store memory {int(used) / 2**20:.1f} MiB" if isinstance(used, int) else ""))

@@ -109,7 +109,7 @@ def test_demo_checks_a_given_redis_before_building_models(tmp_path: Path) -> Non
     p = distillq("demo", "--steps", "1", "--out", str(tmp_path / "out"), "--redis-url",
                  f"redis://:{SECRET}@127.0.0.1:{port}/0")
     assert (p.returncode, p.stdout) == (3, "")
-    assert p.stderr.splitlines() == [f"using Redis at redis://:***@127.0.0.1:{port}/0",
+    assert p.stderr.splitlines() == [f"using Redis at redis://:***@127.0.0.1:{port}/0, namespace demo",
                                      f"distillq: cannot reach Redis at redis://:***@127.0.0.1:{port}/0: "
                                      "Connection refused"], p.stderr
     assert not (tmp_path / "out").exists()

@@ -83,6 +83,7 @@ async def test_a_message_without_a_role_is_a_400(client: openai.AsyncOpenAI) -> 
         ([{"content": "hi"}], "messages[0].role"),
         ([{"role": "user", "content": "a"}, {"content": "b"}], "messages[1].role"),
         ([{"role": 3, "content": "a"}], "messages[0].role"),
+        ([{"role": "\u00e9\u2603\U0001f600" * 20, "content": "a"}], "messages[0].role"),  # unicode garbage
         (["hi"], "messages[0]"),
     ):
         e = await bad_request(client, messages=messages)

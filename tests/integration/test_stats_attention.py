@@ -16,6 +16,7 @@ from redis.exceptions import OutOfMemoryError
 
 from pipeline.cli.main import main
 from pipeline.config import RedisSettings
+from pipeline.learner.health import LearnerHeartbeat, LearnerProgress
 from pipeline.stages.batching import BatchingConfig
 from pipeline.stages.feeder import Feeder
 from pipeline.stages.kl_control import ConstantKL
@@ -48,7 +49,7 @@ async def stats(capsys: pytest.CaptureFixture[str], url: str, keys: Keys, *argv:
 
 
 async def beat(r: aioredis.Redis, keys: Keys, stage: str, consumer: str, **report: object) -> Heartbeat:
-    hb = Heartbeat(r, keys.heartbeat(stage, consumer), 5.0)
+    hb = Heartbeat(r, keys, stage, consumer, 5.0)
     await hb.beat(handled=0, outcomes={}, **report)
     return hb
 
@@ -102,7 +103,7 @@ async def test_an_old_heartbeat_fails_check_by_the_redis_clock(
 ) -> None:
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() - 13)
-    hb = Heartbeat(r, keys.heartbeat("teacher", "t1"), 5.0)
+    hb = Heartbeat(r, keys, "teacher", "t1", 5.0)
     await hb.beat(handled=0)
     await r.pexpire(hb.key, 2000)  # written 13 s ago (TTL 15 s), by a clock that agrees with Redis's
     settings = RedisSettings(redis_url=redis_url, namespace=keys.namespace)
@@ -125,20 +126,21 @@ async def test_feeders_with_different_settings_are_flagged(
     assert fw["settings"]["max_staleness"] == 4 and fw["settings"]["kl"] == "constant 0.0"
 
 
-async def test_a_learner_holding_a_batch_past_hold_warn(
+async def test_batches_held_by_a_learner_name_no_live_process_has(
     r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     key = keys.stream("batches")
     await r.xadd(key, {b"t": b"batch", b"d": b"x"})
     await r.xgroup_create(key, "learner", id="0")
-    await r.xreadgroup("learner", "learner-0", {key: ">"}, count=1)
-    await asyncio.sleep(1.2)
-    snap = await stats(capsys, redis_url, keys, "--hold-warn", "1")
+    await r.xreadgroup("learner", "learner-0", {key: ">"}, count=1)  # read by a learner that then failed
+    snap = await stats(capsys, redis_url, keys)
     (line,) = [x for x in snap["attention"] if "holds" in x]
-    assert line.startswith("learner learner-0 holds 1 batch(es) unacknowledged, the oldest written ")
-    assert "(over 1 s, --hold-warn)" in line
-    snap = await stats(capsys, redis_url, keys)  # the default: 300 s
-    assert not any("holds" in x for x in snap["attention"])
+    assert line.startswith("learner learner-0 holds 1 batch(es) unacknowledged and no learner process of that name "
+                           "is alive (no heartbeat): it stopped or failed")
+    hb = LearnerHeartbeat(r, keys, "learner-0", 0, 1, 5.0, LearnerProgress())
+    await hb.beat()  # a live learner-0: its own heartbeat tells the hold (learner_rank_notes)
+    snap = await stats(capsys, redis_url, keys)
+    assert not any("no learner process of that name" in x for x in snap["attention"])
 
 
 @pytest.mark.skipif("prompts" not in CONSUMER_GROUPS, reason="the rollout stage reads no prompts stream here")
@@ -219,3 +221,16 @@ async def test_redis_memory_near_and_at_maxmemory(
     code = await asyncio.to_thread(main, ["stats", "--redis-url", server.url, "--namespace", keys.namespace])
     out = capsys.readouterr().out
     assert code == 0 and "Redis memory: " in out and "1 write(s) refused for memory since Redis started" in out
+
+
+async def test_each_rollout_worker_shows_the_policy_version_it_samples_with(
+    r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await beat(r, keys, "rollout", "rollout-0", weights_version=7, checkpoint_not_loadable=None)
+    await beat(r, keys, "rollout", "rollout-1", weights_version=None, checkpoint_not_loadable=None)
+    snap = await stats(capsys, redis_url, keys)
+    assert {w["consumer"]: w["weights_version"] for w in snap["workers"]} == {"rollout-0": 7, "rollout-1": None}
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["stats", "--redis-url", redis_url, "--namespace", keys.namespace]) == 0
+    out = capsys.readouterr().out
+    assert "weights version" in out and " v7 " in out and "none yet" in out

@@ -16,6 +16,7 @@ from pipeline.cli.streamstats import (
     StreamStats,
     WorkerStats,
 )
+from pipeline.learner.health import RankBeat
 from pipeline.stages.liveness import parse_beat, skew_note
 from pipeline.transport.keys import Keys
 
@@ -85,16 +86,19 @@ def test_retrying_and_failed_rollout_jobs() -> None:
     assert "7 dead letter(s) (newest by stage: rollout 6, teacher 1): distillq dlq list" in lines
 
 
-def test_a_learner_holding_a_batch_past_the_threshold() -> None:
+def test_batches_held_under_a_learner_name_no_live_process_has() -> None:
     def batches(age: float, idle: float) -> StreamStats:
         return stream("batches", 2, "learner", ConsumerStats("learner-0", 2, 1.0), pending=2,
                       oldest_pending_age_s=age, oldest_pending_idle_s=idle, oldest_pending_consumer="learner-0")
-    held = [x for x in attention(snap(batches(420.0, 5.0), hold_warn_s=300.0)) if "holds" in x]
-    assert held == ["learner learner-0 holds 2 batch(es) unacknowledged, the oldest written 7.0 min ago (over 300 s, "
-                    "--hold-warn): a long step, an evaluation or a checkpoint, or a stopped learner"]
-    gone = [x for x in attention(snap(batches(420.0, 400.0), hold_warn_s=300.0, claim_idle_s=60.0)) if "holds" in x]
-    assert gone[0].endswith("its lease was last renewed 6.7 min ago: the learner process is stopped or gone")
-    assert not any("holds" in x for x in attention(snap(batches(420.0, 5.0), hold_warn_s=600.0)))
+    held = [x for x in attention(snap(batches(20.0, 5.0), claim_idle_s=60.0)) if "holds" in x]
+    assert held == ["learner learner-0 holds 2 batch(es) unacknowledged and no learner process of that name is alive "
+                    "(no heartbeat): it stopped or failed (its log says why); a learner started as learner-0 is "
+                    "handed them at once, one under another name once they are idle 60.0 s; the oldest was "
+                    "written 20.0 s ago"]
+    gone = [x for x in attention(snap(batches(420.0, 400.0), claim_idle_s=60.0)) if "holds" in x]
+    assert gone[0].endswith("the oldest was written 7.0 min ago and its lease last renewed 6.7 min ago")
+    alive = RankBeat("learner-0", 0, 1, "h", 1, 3, 2, 20.0, 1.0, None, 0, 0.5)
+    assert not any("holds" in x for x in attention(snap(batches(20.0, 5.0), learners=[alive])))
 
 
 def test_feeders_with_different_settings_are_named_by_setting() -> None:
@@ -150,6 +154,12 @@ def test_redis_memory_near_full_full_and_evicting() -> None:
     full = attention(snap(memory=RedisMemory(used_bytes=gib + 5, max_bytes=gib)))
     assert full == ["Redis is full: writes wait (used 1.0 GiB of maxmemory 1.0 GiB); drain the streams or raise "
                     "maxmemory"]
+    at_98 = attention(snap(memory=RedisMemory(used_bytes=int(0.98 * gib), max_bytes=gib, oom_errors=3)))
+    assert at_98 == ["Redis is full: writes wait (used 1003.5 MiB of maxmemory 1.0 GiB, 3 write(s) refused for memory "
+                     "since Redis started); drain the streams or raise maxmemory"]  # one snapshot: refusals count
+    calm = attention(snap(memory=RedisMemory(used_bytes=int(0.98 * gib), max_bytes=gib, oom_errors=3,
+                                             oom_errors_new=0)))
+    assert calm[0].startswith("Redis is nearly full")  # none since the last refresh
     refused = attention(snap(memory=RedisMemory(used_bytes=gib // 2, max_bytes=gib, oom_errors=9, oom_errors_new=4)))
     assert refused[0].startswith("Redis is full: writes wait (used 512.0 MiB of maxmemory 1.0 GiB, 4 write(s) refused")
     lru = attention(snap(memory=RedisMemory(used_bytes=1, max_bytes=gib, policy="allkeys-lru")))

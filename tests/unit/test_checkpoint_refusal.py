@@ -121,7 +121,8 @@ async def test_local_student_refuses_and_keeps_sampling_with_its_version(
     report = refusals.report()
     assert report is not None and report.startswith(f"checkpoint_not_loadable: v2 refused ({kind}: ")
     assert report.endswith("sampling with v1")
-    assert stage.report() == {"checkpoint_not_loadable": report}  # the rollout worker's heartbeat carries it
+    # the rollout worker's heartbeat carries it
+    assert stage.report() == {"checkpoint_not_loadable": report, "weights_version": 1}
     shown = attention(Snapshot(namespace="ns", time=0.0, streams={}, dead_letters=0, max_backlog=1,
                                workers=[worker_of(Beat("rollout", "r1", {"pid": 1, **stage.report()}, 0.5))]))
     assert shown == [f"rollout r1: {report} (the published folder is torn or holds bad tensors; publish the version "
@@ -139,7 +140,7 @@ async def test_local_student_refuses_and_keeps_sampling_with_its_version(
     publish(3, weights)  # the learner publishes a good version: loaded, the refusal is over
     assert await student.load_weights(weights) == 3
     assert refusals.report() is None and student.version == 3
-    assert stage.report() == {"checkpoint_not_loadable": None}
+    assert stage.report()["checkpoint_not_loadable"] is None
 
 
 # --- servers kept in sync -----------------------------------------------------------------------------------

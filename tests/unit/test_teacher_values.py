@@ -189,7 +189,7 @@ def refused(r: ScoreRequest) -> ScoreFailure:
     return ScoreFailure("connection error (ConnectError: [Errno 111] Connection refused)", retryable=True)
 
 
-async def test_a_slow_teacher_is_slow_not_unhealthy() -> None:
+async def test_a_slow_teacher_is_slow_and_one_that_answers_nothing_in_time_unhealthy() -> None:
     scorer = Scorer(FakeTeacher(rules={100: timeout_after(10)}), ScoringConfig(default_k=4, retries=0))
     stage = TeacherStage(scorer)
     with structlog.testing.capture_logs() as logs:
@@ -197,6 +197,9 @@ async def test_a_slow_teacher_is_slow_not_unhealthy() -> None:
             (s,) = await scorer.score_groups([group(100, [9], gid=f"t{i}")])
             assert s.status is DistillStatus.DROPPED
             assert s.reason == "teacher_error: timeout after 10 s (ReadTimeout) (sequence 0)"
+        # three in a row and no answer: not merely slow, it answers nothing (--check answers 1)
+        assert stage.report()["unhealthy"] == ("teacher backend answers nothing in time: the last 3 calls all timed "
+                                               "out after 10 s")
         await scorer.score_groups([group(200, [9])])  # one call answered
     report = stage.report()
     assert report["unhealthy"] is None

@@ -87,3 +87,24 @@ def test_parser_reads_only_wanted_positions() -> None:
         assert isinstance(out, ScoreResult) and out.topk_ids.shape == (len(rows), K)
     with pytest.raises(msgspec.ValidationError):  # the teacher reports this as misaligned: unparseable
         parse_completion(body([None, {"5001": {"logprob": "x"}}, *good()[2:]]), ScoreRequest(TOKENS, K))
+
+
+def test_an_answer_with_nan_is_invalid_logprobs_not_misaligned() -> None:
+    import msgspec
+
+    from pipeline.teacher.vllm_http import unparseable
+
+    nan = b'{"choices": [{"prompt_logprobs": [null, {"5": {"logprob": NaN, "rank": 1}}]}]}'
+    with pytest.raises(msgspec.DecodeError) as caught:
+        msgspec.json.decode(nan)
+    got = unparseable(nan, caught.value)
+    assert got.reason == ("invalid_logprobs: the teacher answered a non-finite number (NaN or Infinity) where a "
+                          "logprob goes") and not got.retryable
+    junk = b'{"choices": [oops]}'
+    with pytest.raises(msgspec.DecodeError) as caught:
+        msgspec.json.decode(junk)
+    assert unparseable(junk, caught.value).reason.startswith("misaligned: unparseable response (DecodeError: ")
+    bad_inf = b'{"x": -Infinity}'
+    with pytest.raises(msgspec.DecodeError) as caught:
+        msgspec.json.decode(bad_inf)
+    assert unparseable(bad_inf, caught.value).reason.startswith("invalid_logprobs")

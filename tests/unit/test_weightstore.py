@@ -204,3 +204,15 @@ def test_summary_names_versions_snapshot_and_bytes(tmp_path: Path) -> None:
     assert got["versions"] == [2, 3] and got["newest"] == 3 and got["snapshot"] == 2
     assert got["stored_bytes"] == reports[2].stored_bytes + reports[3].stored_bytes
     assert "newest v3 (snapshot v2), kept v2..v3 (2)" in summary_line(got)
+
+
+def test_an_empty_store_says_so_and_a_mistyped_redis_path_is_refused() -> None:
+    from pipeline.weightstore.stores import summary, summary_line
+
+    url = f"memory://empty-{uuid.uuid4().hex[:8]}"
+    got = summary(url)
+    assert summary_line(got) == (f"weights at {url}: no version published yet (a learner's publish_weights writes "
+                                 "the first)")
+    with pytest.raises(ConfigurationError, match=r"the path must be one database number .*not '/0/1'"):
+        open_store("redis://127.0.0.1:6379/0/1")
+    open_store("redis://127.0.0.1:6379/2").close()  # a database number: fine (no connection is made yet)

@@ -74,10 +74,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "rollout worker following it from a folder of its own (docs/weights.md; e.g. "
                         "redis://127.0.0.1:6379/1) (default: none: OUT/weights)")
     p.add_argument("--redis-url", default=None, metavar="URL",
-                   help="use this Redis (default: $DISTILLQ_REDIS_URL, else an embedded redis-server on a free "
-                        "loopback port, stopped at the end)")
+                   help="use this Redis, in a namespace the demo made or an empty one (default: an embedded "
+                        "redis-server on a free loopback port, stopped at the end; $DISTILLQ_REDIS_URL is not used)")
     p.add_argument("--namespace", default=None, metavar="NS",
-                   help="key namespace (default: $DISTILLQ_NAMESPACE or demo)")
+                   help="key namespace (default: demo; $DISTILLQ_NAMESPACE is not used)")
     p.add_argument("--student", choices=("hf", "vllm"), default="hf",
                    help="hf: the student in the rollout workers; vllm: a vLLM server (the CPU build in .venv-vllm) "
                         "reloaded with the learner's weights after every step")
@@ -101,17 +101,23 @@ def _embedded(missing: str | None = None) -> EmbeddedRedis:
 
 
 def prepare_redis(settings: RedisSettings, console: Console) -> None:
-    """Refuse a namespace that a running pipeline uses; delete what an earlier run left in it."""
-    from pipeline.demo.tiny import clear_namespace, live_workers
+    """On a Redis of the user's: refuse a namespace that a running pipeline uses or that the demo did not make
+    (``Keys.demo_owned``); delete what an earlier demo run left in one it made, and mark it as the demo's."""
+    from pipeline.demo.tiny import clear_namespace, live_workers, namespace_state
 
     keys = namespace_keys(settings)
+    where = f"namespace {keys.namespace} at {mask_url(settings.redis_url)}"
     live = run(live_workers(settings, keys))
     if live:
-        raise CliError(f"namespace {keys.namespace} at {mask_url(settings.redis_url)} has {live} live worker(s); the "
-                       "demo deletes its namespace's keys first: pass --namespace with one of its own", EXIT_FAILED)
+        raise CliError(f"{where} has {live} live worker(s); the demo deletes its namespace's keys first: pass "
+                       "--namespace with one of its own", EXIT_FAILED)
+    held, ours = run(namespace_state(settings, keys))
+    if held and not ours:
+        raise CliError(f"{where} holds {held} keys that distillq demo did not make (a deployment's?); the demo "
+                       "deletes only namespaces it made: pass --namespace with a new name", EXIT_USAGE)
     deleted = run(clear_namespace(settings, keys))
     if deleted:
-        console.print(f"deleted {deleted} keys an earlier run left in namespace {keys.namespace}")
+        console.print(f"deleted {deleted} keys an earlier demo run left in namespace {keys.namespace}")
 
 
 def prepare_out(args: argparse.Namespace, console: Console) -> None:
@@ -129,17 +135,26 @@ def prepare_out(args: argparse.Namespace, console: Console) -> None:
         console.print(f"replacing the earlier run in {args.out} ({', '.join(gone)}); --resume goes on from it instead")
 
 
+def demo_namespace(args: argparse.Namespace) -> str:
+    """``--namespace``, else ``demo`` (``DISTILLQ_NAMESPACE`` is a deployment's: the demo never takes it)."""
+    return str(args.namespace or "demo")
+
+
 def start_redis(args: argparse.Namespace, namespace: str, console: Console, servers: list[EmbeddedRedis]) -> str:
-    """The Redis URL for the demo, checked and cleared of an earlier run; an embedded server it starts is appended
-    to ``servers`` (the caller stops it)."""
-    url = args.redis_url or env("REDIS_URL")
+    """The Redis URL for the demo: ``--redis-url``, checked and cleared of an earlier demo run (``prepare_redis``),
+    else an embedded server it starts and appends to ``servers`` (the caller stops it). ``DISTILLQ_REDIS_URL`` and
+    ``DISTILLQ_NAMESPACE`` name a deployment's Redis: the demo says that it leaves them alone."""
+    url: str | None = args.redis_url
+    ignored = [f"DISTILLQ_{name}" for name in ("REDIS_URL", "NAMESPACE") if env(name)]
     if url:
-        console.print(f"using Redis at {mask_url(url)}")
+        console.print(f"using Redis at {mask_url(url)}, namespace {namespace}")
         run(ensure_reachable(redis_settings(url), url))  # before minutes of model building
         prepare_redis(redis_settings(url, namespace), console)
         return url
     servers.append(_embedded())
-    console.print(f"[bold]embedded Redis[/bold] {servers[-1].binary} on {servers[-1].url}")
+    console.print(f"[bold]embedded Redis[/bold] {servers[-1].binary} on {servers[-1].url}"
+                  + (f" ({' and '.join(ignored)} left alone: the demo uses a Redis of yours only when --redis-url "
+                     "names it)" if ignored else ""))
     return servers[-1].url
 
 
@@ -285,7 +300,7 @@ def main(args: argparse.Namespace) -> int:
         if args.resume and not can_resume(args.out):
             raise CliError(f"nothing to resume in {args.out}: no learner checkpoint (weights and optimizer state) from "
                            "an earlier run; run without --resume", EXIT_USAGE)
-        namespace = args.namespace or env("NAMESPACE") or "demo"
+        namespace = demo_namespace(args)
         url = start_redis(args, namespace, console, servers)
         prepare_out(args, console)
         with console.status("building tiny models (cached after the first run)..."):

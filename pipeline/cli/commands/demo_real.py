@@ -15,11 +15,9 @@ import signal
 import time
 from types import FrameType
 
-from pipeline.cli.commands.common import ensure_reachable, make_console, run
+from pipeline.cli.commands.common import make_console
 from pipeline.cli.embedded import EmbeddedRedis
-from pipeline.config import env, redis_settings
 from pipeline.stages.exits import EXIT_USAGE, CliError
-from pipeline.transport.connection import mask_url
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -27,6 +25,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pipeline.cli.commands.demo import demo_namespace, start_redis
     from pipeline.demo.real import (
         RealDemoConfig,
         enqueue,
@@ -50,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     console = make_console(stderr=True)
     t0 = time.monotonic()
-    embedded = None
+    servers: list[EmbeddedRedis] = []
     try:
         if (args.teacher_model is None) != (args.student_model is None):
             raise CliError("demo --real: --teacher-model and --student-model go together", EXIT_USAGE)
@@ -65,15 +64,8 @@ def main(args: argparse.Namespace) -> int:
                                         progress=status.update)
         console.print(f"models ready in {time.monotonic() - t0:.0f} s: teacher {pair.teacher}, "
                       f"student {pair.student} ({pair.describe()})")
-        url = args.redis_url or env("REDIS_URL")
-        if url:
-            console.print(f"using Redis at {mask_url(url)}")
-            run(ensure_reachable(redis_settings(url), url))
-        else:
-            embedded = EmbeddedRedis().start()
-            url = embedded.url
-            console.print(f"[bold]embedded Redis[/bold] {embedded.binary} on {url}")
-        namespace = args.namespace or env("NAMESPACE") or "demo"
+        namespace = demo_namespace(args)
+        url = start_redis(args, namespace, console, servers)
         cfg = RealDemoConfig(redis_url=url, out=args.out, namespace=namespace, steps=args.steps or RealDemoConfig.steps,
                              timeout_s=args.timeout or RealDemoConfig.timeout_s, device=args.device,
                              weights_url=args.weights_url)
@@ -103,5 +95,5 @@ def main(args: argparse.Namespace) -> int:
         console.print("[yellow]interrupted: stopping every process[/yellow]")
         return 130
     finally:
-        if embedded is not None:
-            embedded.stop()
+        for server in servers:
+            server.stop()

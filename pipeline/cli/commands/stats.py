@@ -24,6 +24,8 @@ from pipeline.cli.commands.common import (
 from pipeline.cli.pipelinestate import collect_all
 from pipeline.cli.streamstats import Snapshot, WorkerStats, with_rates
 from pipeline.config import add_redis_args
+from pipeline.stages.exits import EXIT_REDIS, CliError, redis_url
+from pipeline.transport.connection import mask_url
 from pipeline.transport.keys import STREAMS, Keys
 
 
@@ -103,19 +105,29 @@ def cross_text(w: WorkerStats) -> str:
     return f"aligned {_pct(w.cross_aligned_share)}, top-k mass mapped {_pct(w.cross_topk_mapped_share)}"
 
 
+def version_text(w: WorkerStats) -> str:
+    """A rollout worker's policy version (of the last group it sampled; ``none yet`` before one); else ``-``."""
+    if w.stage != "rollout":
+        return "-"
+    return "none yet" if w.weights_version is None else f"v{w.weights_version}"
+
+
 def worker_table(snap: Snapshot) -> Table:
-    """One row per live worker; a ``cross-tokenizer`` column when a teacher scores a student of another
+    """One row per live worker; a ``weights version`` column when a rollout worker is live (the policy version of
+    the last group each sampled), a ``cross-tokenizer`` column when a teacher scores a student of another
     tokenizer."""
     t = Table(title=f"live workers: {len(snap.workers)}", title_justify="left")
     cross = any(w.cross_tokenizer for w in snap.workers)
+    rollout = any(w.stage == "rollout" for w in snap.workers)
     cols = ("stage", "consumer", "host", "pid", "handled", "heartbeat age", "outcomes", "teacher drops",
-            *(("cross-tokenizer",) if cross else ()))
+            *(("weights version",) if rollout else ()), *(("cross-tokenizer",) if cross else ()))
     for col in cols:
         t.add_column(col, justify="right" if col in ("pid", "handled", "heartbeat age") else "left")
     for w in sorted(snap.workers, key=lambda w: (w.stage, w.consumer)):
         stage = f"{w.stage} ({w.pool})" if w.pool and w.pool != "default" else w.stage  # a teacher's pool
         t.add_row(stage, w.consumer, w.host, str(w.pid), str(w.handled), secs(w.age_s), counts(w.outcomes),
-                  counts(w.drops) if w.stage == "teacher" else "-", *((cross_text(w),) if cross else ()))
+                  counts(w.drops) if w.stage == "teacher" else "-",
+                  *((version_text(w),) if rollout else ()), *((cross_text(w),) if cross else ()))
     return t
 
 
@@ -193,6 +205,21 @@ def _streams(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(args.streams)) if args.streams else list(STREAMS)
 
 
+#: Seconds a snapshot may take before ``stats`` says Redis is not answering (exit status 3).
+ANSWER_S = 10.0
+
+
+async def snapshot(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace) -> Snapshot:
+    """``collect_all`` within ``ANSWER_S``, else one line: Redis is not answering, and why it may be."""
+    try:
+        return await asyncio.wait_for(collect_all(redis, keys, _streams(args), window_s=args.window,
+                                                  hold_warn_s=args.hold_warn), ANSWER_S)
+    except TimeoutError:
+        raise CliError(f"Redis at {mask_url(redis_url(args) or '')} did not answer within {ANSWER_S:.0f} s: paused "
+                       "(CLIENT PAUSE), busy with a long command (SLOWLOG GET shows it) or overloaded",
+                       EXIT_REDIS) from None
+
+
 async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
     prev: Snapshot | None = None
     n = 0
@@ -202,8 +229,7 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
         if live is not None:
             live.start()
         while args.refreshes is None or n < args.refreshes:
-            snap = with_rates(prev, await collect_all(redis, keys, _streams(args), window_s=args.window,
-                                                      hold_warn_s=args.hold_warn))
+            snap = with_rates(prev, await snapshot(redis, keys, args))
             if live is not None:
                 live.update(render(snap), refresh=True)
             elif args.json:
@@ -221,7 +247,7 @@ async def watch(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, con
 
 
 async def once(redis: aioredis.Redis, keys: Keys, args: argparse.Namespace, console: Console) -> int:
-    snap = await collect_all(redis, keys, _streams(args), window_s=args.window, hold_warn_s=args.hold_warn)
+    snap = await snapshot(redis, keys, args)
     weights = None
     if args.weights_url:
         from pipeline.weightstore.stores import summary

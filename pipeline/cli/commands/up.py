@@ -4,7 +4,9 @@
         --teacher-args "--backend vllm --url http://gpu1:8000 --model Qwen/Qwen3-8B --top-k 20" \\
         --rollout-args "--backend vllm --url http://gpu2:8000 --model Qwen/Qwen3-1.7B"
 
-Crashed workers are restarted with backoff; Ctrl-C (or SIGTERM) stops every process gracefully.
+Crashed workers are restarted with backoff; Ctrl-C (or SIGTERM) stops every process gracefully, and a killed
+``up`` takes its workers with it (``pipeline.cli.supervisor``). Each worker has a consumer name of its own
+(``STAGE-i``, ``STAGE-POOL-i`` for a teacher pool's); a name another live process holds is refused, naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pipeline.cli.commands.common import add_command, make_console
 from pipeline.cli.supervisor import ProcSpec, Supervisor, distillq_argv
 from pipeline.config import add_redis_args, redis_settings_from_args
 from pipeline.stages.exits import EXIT_USAGE, CliError
+from schemas.pools import DEFAULT_POOL
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,13 +47,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=main)
 
 
+def pool_of(argv: list[str]) -> str | None:
+    """The ``--pool`` a worker's flags name (the last one wins, as argparse has it), else None."""
+    pool = None
+    for i, a in enumerate(argv):
+        if a == "--pool" and i + 1 < len(argv):
+            pool = argv[i + 1]
+        elif a.startswith("--pool="):
+            pool = a.split("=", 1)[1]
+    return pool
+
+
 def specs(args: argparse.Namespace) -> list[ProcSpec]:
+    """One process per worker, each under a consumer name of its own: ``STAGE-i``, and ``STAGE-POOL-i`` for the
+    workers of a teacher pool other than ``default`` (two ``up`` runs, one per pool, never share a name)."""
     out: list[ProcSpec] = []
     for stage, n, extra in (("rollout", args.rollout, args.rollout_args), ("teacher", args.teachers, args.teacher_args),
                             ("feeder", args.feeders, args.feeder_args)):
+        flags = shlex.split(extra)
+        pool = pool_of(flags)
+        prefix = stage if pool in (None, DEFAULT_POOL) else f"{stage}-{pool}"
         for i in range(n):
-            argv = distillq_argv("worker", stage, *shlex.split(extra), "--consumer-name", f"{stage}-{i}")
-            out.append(ProcSpec(f"{stage}-{i}", argv))
+            argv = distillq_argv("worker", stage, *flags, "--consumer-name", f"{prefix}-{i}")
+            out.append(ProcSpec(f"{prefix}-{i}", argv))
     return out
 
 

@@ -91,6 +91,10 @@ def check_max_tokens(prompt_tokens: int, max_tokens: int, max_model_len: int) ->
                                   f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})")
 
 
+#: The message roles chat templates take (OpenAI's, and ``ipython`` of Llama's tool calls).
+ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+
+
 def check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of objects")
@@ -102,6 +106,9 @@ def check_messages(messages: Any) -> None:
             raise RequestError(f"messages[{i}].role", "field required")
         if not isinstance(role, str) or not role:
             raise RequestError(f"messages[{i}].role", "must be a non-empty string")
+        if role not in ROLES:
+            shown = role if len(role) <= 40 else role[:40] + "..."
+            raise RequestError(f"messages[{i}].role", f"unknown role {shown!r}: one of {', '.join(sorted(ROLES))}")
 
 
 def check_chat(body: dict[str, Any]) -> None:
