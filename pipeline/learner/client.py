@@ -133,6 +133,12 @@ class AsyncLearner:
         """Raise ``LearnerConnectionError`` (one line) unless Redis answers."""
         await check_reachable(self.redis, self._url)
 
+    async def start(self) -> None:
+        """Join the ``learner`` group and claim this consumer name and rank (``NameHeld`` while another live
+        process holds them), then renew leases and heartbeat. The first read does it if this was not called; the
+        sync ``Learner`` does it when made, so a refused process has done nothing (published no weights) yet."""
+        await self._ensure_ready()
+
     async def _ensure_ready(self) -> None:
         if self._ready:
             return
@@ -413,6 +419,7 @@ class AsyncLearner:
             await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncLearner:
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -451,7 +458,7 @@ class Learner:
         on_stale: Literal["dead_letter", "deliver"] = "dead_letter",
     ) -> None:
         """The arguments of ``AsyncLearner``, with the same defaults. Raises ``LearnerConnectionError`` (one line)
-        unless Redis answers."""
+        unless Redis answers, ``NameHeld`` while another live process holds this consumer name and rank."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="distillq-learner", daemon=True)
         self._thread.start()
@@ -462,6 +469,7 @@ class Learner:
         try:
             self._client: AsyncLearner = self._call(_make(make))
             self._call(self._client.check())  # one line (LearnerConnectionError) when Redis is unreachable
+            self._call(self._client.start())  # one live process per name and rank (NameHeld), before any work
         except BaseException:
             if hasattr(self, "_client"):
                 self._call(self._client.aclose())

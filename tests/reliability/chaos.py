@@ -15,8 +15,10 @@ no persistence: what a server without persistence or a lost disk gives; the teac
 ``maxmemory`` (set below its use for ``oom_s``, then unset); the learner stopped (SIGSTOP) for ``pause_s``,
 past the workers' ``DISTILLQ_BACKPRESSURE_TIMEOUT_S``; a torn version published (``LATEST`` names a folder
 without its ``distillq-checkpoint.json`` and ``policy_version`` announces it, the learner held meanwhile);
-the teacher answering vLLM's -9999.0 for ``sentinel_s``. A process that exits without being killed is
-restarted too (a supervisor's job) and counted.
+the teacher answering vLLM's -9999.0 for ``sentinel_s``; a rolling restart of the learner that starts the new one
+before the old one stopped (an orchestrator's order): the new process, under the same consumer name, must be
+refused (exit status 2) having trained nothing, then the old one is stopped (SIGTERM) and the new one takes over.
+A process that exits without being killed is restarted too (a supervisor's job) and counted.
 
 After the faults the driver waits until every prompt is trained or dead-lettered, or nothing moved for
 ``settle_s``. The Redis-without-data restart is handled as an operator would: its loss must be named by a
@@ -70,7 +72,7 @@ from tests.reliability.teacher_stub import MODEL, SwitchableTeacher
 
 #: Every fault kind; each is injected at least once per soak, ``redis_wipe`` exactly once.
 KINDS = ("kill_rollout", "kill_teacher", "kill_feeder", "kill_learner", "redis_restart", "redis_wipe",
-         "redis_oom", "learner_pause", "torn_checkpoint", "teacher_sentinel")
+         "redis_oom", "learner_pause", "torn_checkpoint", "teacher_sentinel", "learner_rolling_restart")
 EPOCH = 1
 K = 4
 TAIL_S = 20.0  # prompts go on being enqueued this long after the fault phase
@@ -475,6 +477,30 @@ class Soak:
             self.down.discard("learner")
         return f"SIGSTOP {self.cfg.pause_s:g} s (backpressure timeout {self.cfg.backpressure_timeout_s:g} s)"
 
+    async def _learner_rolling_restart(self) -> str:
+        p = self.procs["learner"]
+        if not p.alive:
+            return "learner not running: skipped"
+        twin_record = self.dir / f"learner-twin-{len(self.faults)}.jsonl"
+        argv = [*p.argv[:p.argv.index("--record") + 1], str(twin_record)]
+        twin = WorkerProc(f"learner-twin-{len(self.faults)}", argv, self.env(), self.dir).start()
+        try:
+            code = await asyncio.to_thread(twin.popen.wait, 60)  # type: ignore[union-attr]
+        except Exception:
+            twin.kill()
+            code = None
+        steps = twin_record.read_text().count('"step"') if twin_record.exists() else 0
+        refused = code == 2 and "is held by a live process" in twin.log_text() and steps == 0
+        self.down.add("learner")
+        try:
+            await asyncio.to_thread(p.stop, 20.0)  # the old one goes; the new one takes the name
+            p.start()
+        finally:
+            self.down.discard("learner")
+        if refused:
+            return "the new learner was refused while the old one lived (exit 2), then replaced it"
+        return f"violation: the new learner was not refused (exit {code}, {steps} steps trained)"
+
     async def _torn_checkpoint(self) -> str:
         assert self.r is not None
         version = max([int(await self.r.get(self.keys.policy_version) or 0), *published_versions(self.weights)]) + 1
@@ -616,6 +642,8 @@ class Soak:
         if unjustified:
             violations.append(f"dead-lettered by faults that must lose nothing: {dict(unjustified)}, e.g. "
                               f"{[(g, rs[0][:160]) for g, rs in self.dead.items() if not justified(rs[0])][:3]}")
+        violations += [f"{f.kind}: {f.note.removeprefix('violation: ')}" for f in self.faults
+                       if f.note.startswith("violation:")]
         reset_lines = [i for i in self.incidents if float(i.get("ts") or 0) >= self.wipe_at > 0
                        and re.search("lost|reset", i.get("kind", ""))]
         counts = [n for i in reset_lines for n in loss_counts(i)]

@@ -32,6 +32,8 @@ from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.learner.chunked import topk_forward_kl
 from pipeline.learner.torch_batch import to_torch
 from pipeline.models.weights import load_causal_lm
+from pipeline.stages.exits import EXIT_USAGE
+from pipeline.transport.identity import NameHeld
 
 #: A teacher logprob at or below this is not a value (vLLM's -inf sentinel is -9999.0).
 FLOOR = -1000.0
@@ -122,4 +124,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except NameHeld as e:  # a second learner under the name of a live one: one line, exit 2, as distillq's
+        print(f"distillq: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
