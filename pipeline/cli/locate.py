@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import redis.asyncio as aioredis
 
@@ -210,3 +210,32 @@ def summarize(w: Whereabouts) -> str:
                 "after it recorded the group (the stream was deleted or trimmed); distillq push --force FILE sends "
                 "it again")
     return "not found: no entry, dedupe marker or drop record for this group id in this namespace"
+
+
+#: What became of a group, by the start of its summary (``summarize``), for a count over many (``where --epoch``).
+FATES: Final = (
+    ("batched and acknowledged", "trained"),
+    ("lost", "lost"),
+    ("dead-lettered", "dead-lettered"),
+    ("dropped by the feeder", "dropped"),
+    ("not found", "not found"),
+    ("prompt ", "in flight"),  # queued or sampled now
+    ("in a batch", "in flight"),
+    ("scored", "in flight"),
+    ("waiting", "in flight"),
+    ("batched, and its batch entry", "trained or lost"),
+)
+
+
+def fate(summary: str) -> str:
+    """One word for ``summary``: trained, in flight, dead-lettered, dropped, lost, not found (``FATES``)."""
+    if "lost with Redis data" in summary:  # a prompt enqueued, then gone with Redis's data (``_lost_prompt``)
+        return "lost"
+    return next((name for prefix, name in FATES if summary.startswith(prefix)), "other")
+
+
+async def prompt_group_ids(redis: aioredis.Redis, keys: Keys, epoch: int) -> list[str]:
+    """The group id of every prompt enqueued for ``epoch`` whose record lives (``transport.prompts``)."""
+    prefix = keys.prompt_record(epoch, "")
+    found = sorted({_s(k)[len(prefix):] async for k in redis.scan_iter(match=prefix + "*", count=1000)})
+    return [f"{int(epoch)}:{pid}" for pid in found]

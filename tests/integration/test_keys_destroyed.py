@@ -98,3 +98,27 @@ async def test_rollouts_trimmed_by_hand(
     assert code == 0, err
     assert sorted(await p.run()) == [f"r{i}" for i in range(6)]
     assert incidents_of(await stats(capsys, redis_url, keys), "stream_trimmed") == [text]  # normal flow: no loss
+
+
+async def test_where_over_an_epoch_or_a_file_answers_was_anything_lost(
+    r: aioredis.Redis, keys: Keys, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.transport.prompts import PromptJob, enqueue_prompts
+
+    await enqueue_prompts(r, keys, [PromptJob(id=f"p{i}", prompt="1+1=") for i in range(3)], epoch=4)
+    code, out, _ = await cli(capsys, redis_url, keys, "where", "--epoch", "4")
+    assert code == 0 and out.splitlines()[0] == "epoch 4: 3 group(s): 3 in flight", out  # queued for a worker
+    groups = [synthetic_rollout(2, 12, group_id=f"f{i}") for i in range(4)]
+    for g in groups[:3]:
+        await StreamProducer(r, keys, "rollouts", fast()).send(g)
+    await Pipeline(r, keys).run()
+    path = push_file(tmp_path, *groups)
+    code, out, _ = await cli(capsys, redis_url, keys, "where", "--file", path)
+    lines = out.splitlines()
+    assert code == 1 and lines[0] == f"{path}: 4 group(s): 3 trained, 1 not found", out  # f3 was never pushed
+    assert lines[1].startswith("  f3: not found")
+    code, out, _ = await cli(capsys, redis_url, keys, "where", "--file", path, "--json")
+    got = json.loads(out)
+    assert got["fates"] == {"trained": 3, "not found": 1} and [x["group_id"] for x in got["not_trained"]] == ["f3"]
+    code, _, err = await cli(capsys, redis_url, keys, "where", "f0", "--epoch", "4")
+    assert code == 2 and "give one GROUP_ID, or --epoch N or --file FILE" in err
