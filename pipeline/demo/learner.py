@@ -482,7 +482,8 @@ class LearnerSettings(FlagSettings):
                           "after that restart ([learner.md](learner.md))")
     batch_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         60.0, description="give up after this many seconds without a batch")
-    checkpoint_dir: Annotated[str | None, Flag(metavar="DIR", default_text="`WEIGHTS_DIR/checkpoint`")] = Field(
+    checkpoint_dir: Annotated[str | None, Flag(
+        metavar="DIR", default_text="`WEIGHTS_DIR/checkpoint`; required when `--weights-dir` is a URL")] = Field(
         None, description="where the checkpoint (model, optimizer, step, version) is kept")
     teacher_weight: Annotated[str | None, Flag(metavar="POOL=W[,POOL=W...]", default_text="1 each")] = Field(
         None, description="a weight per teacher pool in both losses, e.g. `math=1,code=0.5` (0: leave its groups "
