@@ -74,6 +74,9 @@ class StreamSettings(BaseSettings):
     claim_interval_ms: int = Field(5_000, ge=1)
     max_deliveries: int = Field(5, ge=1, description="dead-letter after this many failed deliveries")
     dedupe_ttl_s: int = Field(24 * 3600, ge=1)  # must outlast the longest worker outage
+    payload_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="a claim-checked payload key expires this long "
+                               "after it was written unless a learner acked its batch first (orphans of a stream "
+                               "deleted by hand go); must outlast the longest learner outage")
     heartbeat_interval_s: float = Field(5.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
     max_message_bytes: int = Field(512 << 20, ge=1024)

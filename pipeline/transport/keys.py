@@ -23,7 +23,7 @@ key                                                type          written by / me
                                                                  ``batches`` one becomes ``acked:<entry id>`` when a
                                                                  learner acknowledges that batch
 ``<stream key>:reserving``                         zset          producer: writes reserved, not yet done (cap)
-``<scored stream key>:payload:<group id>:<n>``     string        teacher: a scored group's bytes (claim check,
+``<scored stream key>:payload:<group id>:<n>``     string (TTL)  teacher: a scored group's bytes (claim check,
                                                                  ``transport.claimcheck``); deleted by the learner
                                                                  client when it acks the batch holding the group
 ``ns:health:<stage>:<consumer>``                   string (TTL)  worker heartbeat (JSON), read by ``--check``;

@@ -11,10 +11,10 @@ if another writer holds it (*pending*), wait; if the stream holds ``max_backlog`
   round trip; the payload passes through Lua, where that costs less than a round trip.
 * **Claim-checked** (``scored``: the payload goes to its own key, the entry carries a header): one round
   trip, pipelined: ``SET payload-key payload PX RESERVE_MS`` then ``_ADD``, which checks, adds the header
-  entry, ``PERSIST``s the payload key and marks the markers with the entry id; on a duplicate or a full
-  stream it deletes the payload key instead. A crash between the two leaves a key that expires. After a
-  wait (full stream, another writer), the send goes on with the two steps below, so that a waiting
-  producer does not re-send its payload each time it retries.
+  entry, gives the payload key its lifetime (``payload_ttl_s``: orphans expire) and marks the markers with the
+  entry id; on a duplicate or a full stream it deletes the payload key instead. A crash between the two leaves
+  a key that expires. After a wait (full stream, another writer), the send goes on with the two steps below, so
+  that a waiting producer does not re-send its payload each time it retries.
 * **Large inline** (``rollouts``): two round trips. 1. ``_RESERVE`` reserves the markers with this
   send's token for ``RESERVE_MS``. 2. ``MULTI`` / [``SET`` payload] / ``XADD`` / ``SET`` markers
   ``written`` / ``ZREM`` the reservation / ``EXEC``: the entry and its markers appear together or not at
@@ -96,10 +96,10 @@ return {1, '', -1}
 
 # One round trip: the same checks, and the write in the script too. ARGV[4], the payload mode: 0 no payload
 # key; 1 SET ARGV[5] into KEYS[3] (small messages, Redis Cluster); 2 KEYS[3] was just SET by this send with
-# a TTL (claim-checked fast path): PERSIST it on success, DEL it when refusing, code 4 if it is missing.
-# KEYS: stream, its reservations, [payload key if ARGV[4] > 0], markers...; ARGV: cap, token, ttl ms, mode,
-# payload for the payload key (or ''), entry fields... Returns {code, value, marker index} as _RESERVE, with
-# 1 meaning *written* and value the entry id.
+# a TTL (claim-checked fast path): set its TTL to the payload's on success, DEL it when refusing, code 4 if it is
+# missing. KEYS: stream, its reservations, [payload key if ARGV[4] > 0], markers...; ARGV: cap, token, ttl ms,
+# mode, payload for the payload key (or ''), the payload key's TTL (ms), entry fields... Returns {code, value,
+# marker index} as _RESERVE, with 1 meaning *written* and value the entry id.
 _ADD: Final = """
 local mode = tonumber(ARGV[4])
 local first = 3
@@ -125,9 +125,9 @@ if cap > 0 then
 end
 if mode == 2 and redis.call('EXISTS', KEYS[3]) == 0 then return {4, '', -1} end
 redis.call('ZREM', KEYS[2], ARGV[2])
-if mode == 1 then redis.call('SET', KEYS[3], ARGV[5]) end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 6))
-if mode == 2 then redis.call('PERSIST', KEYS[3]) end
+if mode == 1 then redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[6]) end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 7))
+if mode == 2 then redis.call('PEXPIRE', KEYS[3], ARGV[6]) end
 for i = first, #KEYS do redis.call('SET', KEYS[i], id, 'PX', ARGV[3]) end
 return {1, id, -1}
 """
@@ -353,7 +353,7 @@ class StreamProducer:
             flat = [x for kv in fields.items() for x in kv]
             return functools.partial(self._add, keys=[key, reservations, *([blob[0]] if blob else []), *markers],
                                      args=[s.max_backlog, token, s.dedupe_ttl_s * 1000, int(blob is not None),
-                                           blob[1] if blob else b"", *flat])
+                                           blob[1] if blob else b"", s.payload_ttl_s * 1000, *flat])
         return functools.partial(self._reserve, keys=[key, reservations, *markers],
                                  args=[s.max_backlog, token, RESERVE_MS])
 
@@ -386,7 +386,7 @@ class StreamProducer:
                 return current.decode()  # written by this send already
         async with self.redis.pipeline(transaction=True) as p:
             if blob is not None:
-                p.set(blob[0], blob[1])
+                p.set(blob[0], blob[1], px=self.settings.payload_ttl_s * 1000)
             p.xadd(key, fields)  # type: ignore[arg-type]
             for m in markers:
                 p.set(m, WRITTEN, px=self.settings.dedupe_ttl_s * 1000)
@@ -410,7 +410,8 @@ class StreamProducer:
         for attempt in range(2):
             async with self.redis.pipeline(transaction=False) as p:
                 p.set(pkey, payload, px=RESERVE_MS)
-                args: list[Any] = [*markers, s.max_backlog, token, s.dedupe_ttl_s * 1000, 2, b"", *flat]
+                args: list[Any] = [*markers, s.max_backlog, token, s.dedupe_ttl_s * 1000, 2, b"",
+                                   s.payload_ttl_s * 1000, *flat]
                 p.evalsha(self._add.sha, 3 + len(markers), key, reservations, pkey, *args)
                 stored, reply = await p.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError) and attempt == 0:  # script cache flushed (Redis restarted)

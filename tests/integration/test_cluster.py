@@ -281,7 +281,7 @@ def test_demo_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
     assert first.returncode == 0, first.stderr[-3000:]
     second = demo_on_cluster(cluster.url, out, "--steps", "30")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "keys an earlier run left in namespace democluster" in second.stderr  # on the cluster, deleted
+    assert "keys an earlier demo run left in namespace democluster" in second.stderr  # on the cluster, deleted
     assert "replacing the earlier run in" in second.stderr
     for proc in (first, second):
         assert "Traceback" not in proc.stderr

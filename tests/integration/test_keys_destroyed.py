@@ -60,6 +60,9 @@ async def test_batches_stream_deleted_with_unacknowledged_batches(
                            f"{batches - 1} entries its learner consumers had not acknowledged")
     assert any("stream_deleted" in a for a in snap["attention"])  # type: ignore[attr-defined]
     lost = [g for g in groups if g.group_id not in trained]
+    orphans = [k async for k in r.scan_iter(match=f"{keys.stream('scored')}:payload:*")]
+    ttls = [await r.pttl(k) for k in orphans]
+    assert len(orphans) == len(lost) and all(t > 0 for t in ttls)  # they expire (payload_ttl_s)
     for g in groups:
         code, out, _ = await cli(capsys, redis_url, keys, "where", g.group_id)
         summary = out.rstrip().splitlines()[-1]

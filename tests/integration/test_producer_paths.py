@@ -37,7 +37,7 @@ async def entry_fields(r: aioredis.Redis, keys: Keys) -> list[dict[bytes, bytes]
     return [f for _id, f in await r.xrange(keys.stream("scored"))]
 
 
-async def test_claim_checked_write_is_one_round_trip_and_leaves_a_persistent_payload(
+async def test_claim_checked_write_is_one_round_trip_and_gives_the_payload_its_lifetime(
     r: aioredis.Redis, keys: Keys
 ) -> None:
     prod = StreamProducer(r, keys, "scored", fast())
@@ -52,7 +52,9 @@ async def test_claim_checked_write_is_one_round_trip_and_leaves_a_persistent_pay
     fields = (await entry_fields(r, keys))[1]
     (pkey,) = await payload_keys(r, keys, "cc")
     assert fields[b"p"] == pkey
-    assert await r.pttl(pkey) == -1  # persisted by the script: only the learner's ack deletes it
+    # the script gave it payload_ttl_s (7 days), not the reservation's 30 s: the learner's ack deletes it, and
+    # an orphan (its batch deleted by hand) expires
+    assert 7 * 86400 * 1000 - 60_000 < await r.pttl(pkey) <= 7 * 86400 * 1000
     assert decode(await r.get(pkey), expect=ScoredGroup).group_id == "cc"
     assert (await r.get(keys.seen("scored", "cc"))).decode() == added.entry_id
     assert await r.zcard(keys.reservations(keys.stream("scored"))) == 0
@@ -80,7 +82,7 @@ async def test_claim_checked_write_waits_at_the_cap_without_leaving_payloads(r: 
     added = await asyncio.wait_for(task, 5)
     assert added.result is AddResult.ADDED
     (pkey,) = await payload_keys(r, keys, "waiting")  # written by the two-step path after the wait
-    assert (await entry_fields(r, keys))[0][b"p"] == pkey and await r.pttl(pkey) == -1
+    assert (await entry_fields(r, keys))[0][b"p"] == pkey and await r.pttl(pkey) > 86400_000
     assert await r.zcard(keys.reservations(keys.stream("scored"))) == 0
 
 
@@ -107,7 +109,7 @@ async def test_lost_reply_is_retried_without_a_second_entry_or_losing_the_payloa
     (eid, fields), = await r.xrange(keys.stream("scored"))
     assert added.entry_id == eid.decode()
     (pkey,) = await payload_keys(r, keys, "lost")  # the retry's own key was deleted, the first one kept
-    assert fields[b"p"] == pkey and await r.pttl(pkey) == -1
+    assert fields[b"p"] == pkey and await r.pttl(pkey) > 86400_000
     assert decode(await r.get(pkey), expect=ScoredGroup).group_id == "lost"
 
 
