@@ -63,11 +63,15 @@ WRITTEN: Final = "written"
 ACKED: Final = "acked:"
 
 
+# KEYS: markers of one slot; ARGV[1]: the value. Each marker that exists takes it, keeping its TTL.
+_MARK: Final = "for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[1], 'XX', 'KEEPTTL') end return #KEYS"
+
+
 def mark_acked(pipe: Any, markers: Sequence[str], entry_id: str) -> None:
-    """Queue on ``pipe`` the rewrite of ``markers`` to ``acked:<entry_id>``, keeping their TTL (an expired one
-    stays expired)."""
-    for m in markers:
-        pipe.set(m, ACKED + entry_id, xx=True, keepttl=True)
+    """Queue on ``pipe`` the rewrite of ``markers`` (one hash slot) to ``acked:<entry_id>``, keeping their TTL (an
+    expired one stays expired): one EVAL, not a command per marker (redis-py packs each command in Python)."""
+    if markers:
+        pipe.eval(_MARK, len(markers), *markers, ACKED + entry_id)
 
 # KEYS: stream, its reservations (sorted set: token -> expiry ms), dedupe markers...; ARGV: cap, token, reserve_ms.
 # Returns {code, marker value, marker index}: 1 reserved, 2 written already, 3 another writer, 0 full.
