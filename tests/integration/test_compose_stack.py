@@ -1,6 +1,7 @@
 """docker-compose.yml on a real Docker engine, run as users run it: the CPU stack (ops/compose.cpu.yml: tiny models
 built inside the stack, hf backends) on the images ops/compose-offline.sh builds from Debian's packages. Brought up
-until healthy, scaled out and back while groups flow, its containers killed and the project recreated on the same
+until healthy, scaled out and back while groups flow, its containers killed, a second learner refused and the learner
+recreated (a rolling restart), and the project recreated on the same
 volumes: every group id that entered is trained exactly once (the learner's ``--trained-log``).
 
 The tests run in order on one stack (module scope), each with prompts of its own. Skipped, saying why, where no
@@ -173,6 +174,17 @@ def test_kills_and_recreate_lose_nothing(stack: Stack) -> None:
         time.sleep(2)
         stack.up("--no-recreate", "--scale", "teacher-worker=2")
         _progress(stack, groups, 4)
+
+    # A rolling restart as orchestrators do it. A second learner under the same consumer name while the first runs
+    # (`compose run`: a one-off container of the service) is refused, naming the holder; then the learner recreated
+    # (`up --force-recreate`: compose stops the old container first, SIGTERM) takes the name and trains on.
+    twin = stack.compose("run", "--rm", "--no-deps", "-T", "learner", timeout=240, check=False)
+    assert twin.returncode == 2, (twin.returncode, twin.stderr[-2000:])
+    assert "distillq: learner consumer learner-0 rank 0 is held by a live process (pid " in twin.stderr, \
+        twin.stderr[-2000:]
+    assert any(i["kind"] == "name_refused" for i in stack.stats()["incidents"])
+    stack.up("--no-deps", "--force-recreate", "learner")
+    _progress(stack, groups, 4)
 
     # `docker compose down`, then `up` on the same volumes: every container recreated.
     stack.down()

@@ -370,3 +370,24 @@ def tok_prefix(student: HFStudent, ids: list[int]) -> str:
     """The text of every token but the last: no stop string may be complete before it."""
     return str(student.tokenizer.decode(ids[:-1], skip_special_tokens=False))
 
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_declared_body_or_header_is_refused_on_the_head_alone(student: StudentProcess) -> None:
+    """A Content-Length of 10^12 with 60 bytes sent gets 413 at once (no wait for bytes that would be refused); a
+    1 MB header gets 431; the server keeps serving."""
+    head = (b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", student.port), timeout=30) as s:
+        t0 = time.monotonic()
+        s.sendall(head + b"x" * 60)
+        answer = read_until_closed(s)
+    assert answer.startswith(b"HTTP/1.1 413") and time.monotonic() - t0 < BODY_TIMEOUT_S, answer[:300]
+    body = json.dumps(generate_body([1, 3], max_tokens=1)).encode()
+    big = (b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Session-ID: "
+           + b"a" * (1 << 20) + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    with socket.create_connection(("127.0.0.1", student.port), timeout=30) as s:
+        s.sendall(big)
+        answer = read_until_closed(s)
+    assert answer.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), answer[:300]  # 400: the HTTP parser's own limit
+    assert raw_post(student, "/inference/v1/generate", body).status_code == 200

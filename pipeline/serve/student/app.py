@@ -62,18 +62,40 @@ MAX_BODY_BYTES = 32 << 20
 BODY_TIMEOUT_S = 30.0
 
 
+#: The largest request header (name and value) the server takes (nginx's default buffer for one is 8 KiB).
+MAX_HEADER_BYTES = 8192
+
+
 class BodyCap:
     """Every request body read with a size cap and a read timeout, and checked for what no field's own check
-    sees (``jsonbody``), each refusal in the OpenAI shape: above ``max_bytes`` 413 (the rest of the body is
-    read and dropped as it arrives, so the client gets the answer); no bytes of it for ``timeout_s`` 408 (and
-    the connection closed); nested too deep or holding a lone surrogate 400 naming the field."""
+    sees (``jsonbody``), each refusal in the OpenAI shape: a header above ``MAX_HEADER_BYTES`` 431 and a declared
+    ``Content-Length`` above ``max_bytes`` 413 before any body byte is read; a body above ``max_bytes`` 413 (the
+    rest of it is read and dropped as it arrives, so the client gets the answer); no bytes of it for ``timeout_s``
+    408 (and the connection closed); nested too deep or holding a lone surrogate 400 naming the field."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
+    def _head_refusal(self, scope: Scope) -> tuple[int, str, str] | None:
+        """A request refused on its head alone: a header above ``MAX_HEADER_BYTES`` (431), or a declared
+        ``Content-Length`` above ``max_bytes`` (413: nobody waits for a body that would be refused)."""
+        for name, value in scope.get("headers") or ():
+            if len(name) + len(value) > MAX_HEADER_BYTES:
+                shown = name.decode("latin-1")[:40]
+                return 431, f"header {shown} is {len(value)} bytes (at most {MAX_HEADER_BYTES})", "HeaderTooLarge"
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return 413, f"request body is more than {self.max_bytes} bytes", "RequestTooLarge"
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        refusal = self._head_refusal(scope)
+        if refusal is not None:  # answered before any body byte is read, and the connection closed
+            status, message, kind = refusal
+            err = ServeError(status, message, kind)
+            await JSONResponse(err.body(), status_code=status, headers={"Connection": "close"})(scope, receive, send)
             return
         body = await _read_capped(receive, self.max_bytes, self.timeout_s)
         if body is _GONE:
