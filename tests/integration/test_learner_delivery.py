@@ -183,7 +183,9 @@ async def test_documented_order_loses_no_update_after_kill_9(r: aioredis.Redis, 
     def run(k: Keys, name: str, *extra: str) -> int:
         argv = [sys.executable, "-m", "tests.learner_resume", redis_url, k.namespace, str(tmp_path / f"{name}.ckpt"),
                 str(tmp_path / f"{name}.safetensors"), *extra]
-        p = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
+        # a short heartbeat: the name a killed learner held is free 1.5 s after, not 15 s (transport.identity)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "DISTILLQ_HEARTBEAT_INTERVAL_S": "0.5"}
+        p = subprocess.run(argv, cwd=ROOT, env=env, timeout=120,
                            capture_output=True, text=True, check=False)
         (tmp_path / f"{name}.log").write_text(p.stdout + p.stderr)
         return p.returncode
