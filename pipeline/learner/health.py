@@ -49,7 +49,7 @@ from redis.exceptions import ResponseError
 
 from pipeline import metrics
 from pipeline.transport.connection import TRANSIENT, retry_transient
-from pipeline.transport.identity import Claim, NameHeld
+from pipeline.transport.identity import Claim
 from pipeline.transport.keys import Keys
 
 log = structlog.get_logger("distillq.learner")
@@ -124,9 +124,8 @@ class LearnerHeartbeat:
 
     def owned(self) -> None:
         """Raise ``NameHeld`` if another process took this name: this one must neither read nor ack under it."""
-        if (holder := self.claim.lost) is not None:
-            raise NameHeld(f"{self.claim.what} was taken by another process ({holder.describe()}) while this one "
-                           "ran: it stops without acknowledging, and the holder is handed its batches")
+        if (taken := self.claim.taken()) is not None:
+            raise taken
 
     async def beat_once(self) -> bool:
         """One beat, retried for at most one interval; ``False`` (counted, logged once per outage) if it failed."""

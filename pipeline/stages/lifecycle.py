@@ -43,7 +43,7 @@ from redis.exceptions import ResponseError
 from pipeline import metrics
 from pipeline.backoff import Backoff
 from pipeline.transport.connection import TRANSIENT, is_redis_full, retry_transient
-from pipeline.transport.identity import Claim, NameHeld
+from pipeline.transport.identity import Claim
 from pipeline.transport.keys import Keys
 from pipeline.transport.sharding import Consumer
 
@@ -183,9 +183,8 @@ class WorkerLifecycle:
             self._background.clear()
             if self.heartbeat is not None:
                 await self.heartbeat.clear()
-                if (holder := self.heartbeat.claim.lost) is not None and exc_type is None:
-                    raise NameHeld(f"{self.heartbeat.claim.what} was taken by another process ({holder.describe()}) "
-                                   "while this one ran: it stopped reading and acking under that name")
+                if (taken := self.heartbeat.claim.taken()) is not None and exc_type is None:
+                    raise taken
 
     # ---- Redis back-off -----------------------------------------------------------------------------------
 

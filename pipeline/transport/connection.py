@@ -271,10 +271,19 @@ async def explain_unavailable(exc: BaseException, redis: aioredis.Redis | None) 
     redis-py reports only a failed write then)."""
     text = str(exc)
     kw = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", None)
-    if "while writing to socket" not in text or not isinstance(kw, dict) or "host" not in kw:
+    if not isinstance(kw, dict) or "host" not in kw:
         return text
-    greeting = await asyncio.to_thread(server_greeting, f"redis://{kw['host']}:{kw.get('port', 6379)}")
+    greeting = await asyncio.to_thread(refusal_greeting, text, f"redis://{kw['host']}:{kw.get('port', 6379)}")
     return f"Redis refuses new connections: {greeting} (maxclients)" if greeting else text
+
+
+def refusal_greeting(reason: str, url: str) -> str | None:
+    """``max number of clients reached`` when ``reason`` is how redis-py reports a server over maxclients (a failed
+    write, or the error itself) and the server at ``url`` says so on accept; else None."""
+    if "max number of clients" not in reason and "while writing to socket" not in reason:
+        return None
+    greeting = server_greeting(url)  # a server over maxclients says so on accept, then closes
+    return greeting if greeting is not None and "max number of clients" in greeting else None
 
 
 def _os_reason(exc: BaseException) -> str | None:
@@ -310,11 +319,9 @@ def redis_error_line(exc: BaseException, url: str | None) -> str:
     if reason is None:
         text = str(exc).split(": Error ")[0] if isinstance(exc, RedisClusterException) else str(exc)
         reason = text.rstrip(".") or type(exc).__name__
-    if url and ("max number of clients" in reason or "while writing to socket" in reason):
-        greeting = server_greeting(url)  # a server over maxclients says so on accept, then closes
-        if greeting is not None and "max number of clients" in greeting:
-            return (f"Redis{where} refuses new connections: {greeting} (maxclients): close idle clients (CLIENT "
-                    "LIST, CLIENT KILL) or raise maxclients, then run this again")
+    if url and (greeting := refusal_greeting(reason, url)) is not None:
+        return (f"Redis{where} refuses new connections: {greeting} (maxclients): close idle clients (CLIENT "
+                "LIST, CLIENT KILL) or raise maxclients, then run this again")
     return f"cannot reach Redis{where}: {reason}"
 
 

@@ -99,12 +99,21 @@ class Claim:
         """Write ``value`` (with this token) for ``ttl_ms``; ``None`` when written, else the process holding the
         key (``lost`` is set then, and a ``name_lost`` error logged once)."""
         holder = await self._cas(value, ttl_ms)
-        if holder is None:
-            return None
+        return None if holder is None else self._lose(holder)
+
+    def _lose(self, holder: Holder) -> Holder:
+        """Another process holds the key now: ``lost`` set, ``name_lost`` logged once."""
         if self.lost is None:
             log.error("name_lost", what=self.what, key=self.key, holder=holder.describe())
         self.lost = holder
         return holder
+
+    def taken(self) -> NameHeld | None:
+        """The error to stop with when the name was taken while this process ran (``lost``), else None."""
+        if self.lost is None:
+            return None
+        return NameHeld(f"{self.what} was taken by another process ({self.lost.describe()}) while this one ran: it "
+                        "stops without reading or acknowledging under that name")
 
     async def _cas(self, value: dict[str, Any], ttl_ms: int) -> Holder | None:
         raw = await self._write(keys=[self.key], args=[json.dumps({**value, "token": self.token}), self.token,
@@ -142,11 +151,7 @@ class Claim:
         raw = await self.redis.get(self.key)
         if raw is None or self.token in (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)):
             return None
-        holder = Holder.parse(raw)
-        if self.lost is None:
-            log.error("name_lost", what=self.what, key=self.key, holder=holder.describe())
-        self.lost = holder
-        return holder
+        return self._lose(Holder.parse(raw))
 
     async def release(self) -> None:
         """Delete the key if this process still holds it."""
