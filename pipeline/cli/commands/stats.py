@@ -46,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--window", type=float, default=60.0, metavar="SECONDS",
                    help="throughput window for one-shot figures")
     p.add_argument("--hold-warn", type=float, default=300.0, metavar="SECONDS",
-                   help="name a learner holding an unacknowledged batch written more than SECONDS ago")
+                   help="name a live learner rank that has held an unacknowledged batch longer than SECONDS (batches "
+                        "under a name no live learner has are named at once)")
     p.add_argument("--weights-url", default=None, metavar="URL",
                    help="also show what the weights store at URL holds (redis:// or s3://, docs/weights.md): versions "
                         "kept, the newest and its snapshot, bytes, the store's memory (default: none)")
