@@ -77,10 +77,10 @@ def _leaf(exc: BaseException) -> BaseException:
 
 def redis_url(args: argparse.Namespace) -> str | None:
     """The Redis URL the command used: its flag, else the environment, else the default (None: the demo's own)."""
-    from pipeline.config import env, redis_settings_from_args
+    from pipeline.config import redis_settings_from_args
 
-    if getattr(args, "command", None) == "demo":
-        return getattr(args, "redis_url", None) or env("REDIS_URL")
+    if getattr(args, "command", None) == "demo":  # the demo's own Redis unless --redis-url (never the environment's)
+        return getattr(args, "redis_url", None)
     try:
         return redis_settings_from_args(args).redis_url
     except ValidationError:
