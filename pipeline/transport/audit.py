@@ -93,15 +93,10 @@ class Loss:
                 "distillq push --force FILE sends lost ones again")
 
 
-def audit_key(stream_key: str) -> str:
-    """A stream's audit record, in the stream's hash slot."""
-    return f"{stream_key}:audit"
-
-
 async def audit(redis: aioredis.Redis, key: str, stream: str) -> Loss | None:
     """What stream ``key`` (short name ``stream``) lost since its last audit, if anything; updates the record."""
     group = CONSUMER_GROUPS[family(stream.split(":", maxsplit=1)[0])]
-    res: Any = await redis.eval(_AUDIT, 2, key, audit_key(key), group)  # type: ignore[misc]
+    res: Any = await redis.eval(_AUDIT, 2, key, Keys.audit(key), group)  # type: ignore[misc]
     if not res:
         return None
     kind = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
@@ -111,12 +106,10 @@ async def audit(redis: aioredis.Redis, key: str, stream: str) -> Loss | None:
 async def stage_streams(redis: aioredis.Redis, keys: Keys) -> list[tuple[str, str]]:
     """(short name, key) of every stage stream of the namespace: each shard of each, every teacher pool's."""
     shards = await get_shards(redis, keys)
-    out: list[tuple[str, str]] = [("prompts", keys.stream("prompts")), ("batches", keys.stream("batches"))]
-    for name in (*(pool_stream(p) for p in await known_pools(redis, keys)), "scored"):
-        if shards > 1:
-            out += [(f"{name}:{i}", keys.stream(name, i, shards)) for i in range(shards)]
-        else:
-            out.append((name, keys.stream(name)))
+    out: list[tuple[str, str]] = []
+    for name in ("prompts", "batches", *(pool_stream(p) for p in await known_pools(redis, keys)), "scored"):
+        parts = keys.streams(name, shards)  # one key unsharded, else one per shard
+        out += [(name if len(parts) == 1 else f"{name}:{i}", k) for i, k in enumerate(parts)]
     return out
 
 

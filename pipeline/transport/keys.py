@@ -232,6 +232,11 @@ class Keys:
         return f"{stream_key}:payload:{group_id}:{nonce}"
 
     @staticmethod
+    def audit(stream_key: str) -> str:
+        """A stage stream's last audit record (``pipeline.transport.audit``), in the stream's hash slot."""
+        return f"{stream_key}:audit"
+
+    @staticmethod
     def reservations(stream_key: str) -> str:
         """The producer's outstanding write reservations for a stream key (same hash slot)."""
         return f"{stream_key}:reserving"
