@@ -33,6 +33,7 @@ from pipeline.transport.consumer import Delivery
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import (
     Added,
+    AddResult,
     BackpressureTimeout,
     MessageTooLarge,
     ProducerStopped,
@@ -276,9 +277,15 @@ class StageRunner(Generic[M]):
                 return True
             if added is None:
                 return False
-            log.debug("emitted", stage=self.stage)
             acks.append(d)
-            self._count("emitted")
+            if added.result is AddResult.DUPLICATE:
+                # Another consumer wrote this group's output first (this one's lease was taken while it worked):
+                # the work is named, not counted as a second group emitted.
+                log.info("already_emitted", stage=self.stage, written_as=added.entry_id)
+                self._count("already_emitted")
+            else:
+                log.debug("emitted", stage=self.stage)
+                self._count("emitted")
         elif isinstance(o, Ack):
             acks.append(d)
             self._count(o.reason)

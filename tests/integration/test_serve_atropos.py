@@ -41,6 +41,7 @@ from pipeline.transport.keys import Keys
 from schemas import RolloutGroup
 from schemas.atropos import ATROPOS_KEYS
 from tests.redis_server import free_port
+from tests.slowloris import check_heads_time_out
 from tests.streams import fast
 
 pytestmark = pytest.mark.redis
@@ -835,6 +836,26 @@ def test_request_bodies_above_the_cap_get_413_and_the_server_keeps_serving(redis
         assert http("POST", srv.url + "/scored_data", data=at_cap, headers=plain).json() == RECEIVED
         at_cap_gz = gzip.compress(json.dumps(group(seed=2)).encode().ljust(cap, b" "))
         assert http("POST", srv.url + "/scored_data", data=at_cap_gz, headers=gz).json() == RECEIVED
+
+
+@pytest.mark.timeout(90)
+def test_slow_request_heads_get_408_from_the_cli_server(redis_url: str, keys: Keys, tmp_path: Path) -> None:
+    """``distillq serve atropos --body-timeout-s 1``: 50 heads begun and left, one sent a byte at a time and one
+    stalled after a kept-alive request, each answered 408 and closed; the server keeps serving."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "pipeline.cli.main", "serve", "atropos", "--port", str(port), "--body-timeout-s",
+            "1", "--redis-url", redis_url, "--namespace", keys.namespace]
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_for(lambda: _up(url), 60, "the server")
+        check_heads_time_out(port, 1.0, "/info")
+        assert http("GET", url + "/info").status_code == 200
+        assert b"request_head_timeout" in (tmp_path / "server.log").read_bytes()
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 @pytest.mark.timeout(60)

@@ -30,6 +30,7 @@ from tests.integration.test_serve_student import (
     prompt_ids,
 )
 from tests.redis_server import RedisServer
+from tests.slowloris import check_heads_time_out
 
 pytestmark = pytest.mark.redis
 __all__ = ["hf_student"]  # the module-scoped fixture, shared
@@ -248,6 +249,15 @@ def test_a_stalled_request_body_gets_408_and_the_connection_is_closed(student: S
         slow = s.recv(65536)
     assert slow.startswith(b"HTTP/1.1 200"), slow[:200]
     assert raw_post(student, "/inference/v1/generate", body).status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_slow_request_heads_get_408_and_the_connection_is_closed(student: StudentProcess) -> None:
+    """50 heads begun and left, one sent a byte at a time and one stalled after a kept-alive request: each
+    answered 408 and closed after ``--body-timeout-s``; the server keeps serving."""
+    check_heads_time_out(student.port, BODY_TIMEOUT_S, "/health")
+    assert raw_post(student, "/inference/v1/generate",
+                    json.dumps(generate_body([1, 3], max_tokens=1)).encode()).status_code == 200
 
 
 def read_until_closed(s: socket.socket) -> bytes:

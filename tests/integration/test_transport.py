@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from pipeline.stages.lifecycle import RunStats
 from pipeline.stages.runloop import Ack, DeadLetter, Emit, Outcome, Retry, StageRunner
 from pipeline.transport.claimcheck import decode_header
 from pipeline.transport.consumer import StreamConsumer, resolve_payloads
@@ -263,3 +264,30 @@ async def test_crash_loop_under_a_stable_name_is_dead_lettered(r: aioredis.Redis
     (_, fields), = await r.xrange(keys.dlq)
     assert fields[b"orig_gid"] == b"killer" and fields[b"reason"].startswith(b"max_deliveries")
     assert await restarted.pending_count() == 0
+
+
+async def test_a_lost_lease_counts_one_group_emitted_across_both_workers(r: aioredis.Redis, keys: Keys) -> None:
+    """Worker a's lease is taken while it scores (as after a pause past ``claim_idle_ms``); worker b scores and
+    writes the group; a's write then finds b's: one scored entry, ``emitted`` 1 in all, a's work named
+    ``already_emitted``."""
+    s = fast()
+    await StreamProducer(r, keys, "rollouts", s).send(synthetic_rollout(1, 8, group_id="g"))
+    b_logic = Echo()
+    b = StageRunner(r, keys, b_logic, RolloutGroup, "rollouts", "scored", s, consumer_name="b")
+    b_stats: list[RunStats] = []
+
+    class LeaseLost(Echo):
+        async def handle(self, msgs: Sequence[RolloutGroup]) -> Sequence[Outcome]:
+            assert await make_idle(StreamConsumer(r, keys, "rollouts", "probe", s)) == 1
+            b_stats.append(await b.run(asyncio.Event(), burst=True))  # b reclaims, scores, writes, acks
+            return await super().handle(msgs)
+
+    a_logic = LeaseLost()
+    a = StageRunner(r, keys, a_logic, RolloutGroup, "rollouts", "scored", s, consumer_name="a")
+    a_stats = await asyncio.wait_for(a.run(asyncio.Event(), burst=True), 20)
+    (bs,) = b_stats
+    assert a_logic.seen == ["g"] and b_logic.seen == ["g"]  # both did the work
+    assert a_stats.outcomes == {"already_emitted": 1}
+    assert bs.outcomes == {"emitted": 1}
+    assert await r.xlen(keys.stream("scored")) == 1
+    assert await r.xlen(keys.stream("rollouts")) == 0

@@ -43,6 +43,7 @@ def run_atropos(args: argparse.Namespace) -> int:
 
     from pipeline.cli.commands.common import ensure_reachable, run
     from pipeline.serve.atropos.app import create_app
+    from pipeline.serve.http import head_deadline
 
     if not (math.isfinite(args.batch_wait_s) and 0 <= args.batch_wait_s <= 60):
         raise CliError(f"--batch-wait-s must be a number of seconds from 0 to 60, got {args.batch_wait_s}",
@@ -52,7 +53,7 @@ def run_atropos(args: argparse.Namespace) -> int:
     structlog.get_logger("distillq.serve.atropos").info("atropos_listening", url=f"http://{args.host}:{args.port}",
                                                         namespace=cfg.redis.namespace)
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, access_log=args.access_log, log_config=None,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, http=head_deadline(cfg.body_timeout_s))
     return 0
 
 

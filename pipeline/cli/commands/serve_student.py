@@ -159,6 +159,7 @@ async def _serve_app(
 ) -> int:
     import uvicorn
 
+    from pipeline.serve.http import head_deadline
     from pipeline.serve.student.app import create_app
     from pipeline.serve.student.service import StudentService
     from pipeline.transport.sdk import AsyncGroupProducer
@@ -171,7 +172,8 @@ async def _serve_app(
         api_key = os.environ.get(args.api_key_var) if args.api_key_var else None
         app = create_app(service, maintain_every_s=min(30.0, max(settings.session_ttl / 4, 0.1)), api_key=api_key,
                          max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                                http=head_deadline(settings.body_timeout_s)))
         stopped: list[int] = []
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:  # uvicorn re-raises the signal after its graceful shutdown: noted, not fatal

@@ -29,8 +29,10 @@ class AtroposSettings(FlagSettings):
         "atropos-server", description="consumer name on the `scored` stream; keep it stable across restarts (replicas "
                                       "on one namespace may share it)")
     body_timeout_s: float = Field(
-        30.0, gt=0, allow_inf_nan=False, description="seconds the server waits for the next bytes of a request body; "
-                                                     "a body that stalls longer gets 408 and the connection is closed")
+        30.0, gt=0, allow_inf_nan=False, description="seconds the server waits for a request's whole head (from the "
+                                                     "connection's start or the previous response) and for each next "
+                                                     "bytes of its body; one slower gets 408 and the connection is "
+                                                     "closed")
     gzip_level: Annotated[int, Flag(metavar="1-9")] = Field(
         1, ge=1, le=9, description="gzip level of responses (the reference uses 9, several times slower)")
     access_log: bool = Field(False, description="log every request (environments poll at 10 Hz)")

@@ -71,8 +71,9 @@ class StudentServeSettings(FlagSettings):
     max_body_bytes: Annotated[int, Flag(default_text="33554432 (32 MiB)")] = Field(
         32 << 20, description="request bodies above this get 413 (at least 1024)")
     body_timeout_s: float = Field(
-        30.0, description="seconds the server waits for the next bytes of a request body; a body that stalls longer "
-                          "gets 408 and the connection is closed")
+        30.0, description="seconds the server waits for a request's whole head (from the connection's start or the "
+                          "previous response) and for each next bytes of its body; one slower gets 408 and the "
+                          "connection is closed")
     metrics_port: Annotated[int, Flag(default_text="0 (off)")] = Field(0, description="Prometheus `/metrics` port")
     api_key_var: Annotated[str | None, Flag(metavar="VAR", default_text="none, no key")] = Field(
         None, description="the name of an environment variable holding a bearer token clients must send")
