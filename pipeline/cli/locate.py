@@ -166,7 +166,14 @@ def _flowing(by: set[str]) -> str | None:
     return None
 
 
-def _batched(marker: str) -> str:
+def _send_again(w: Whereabouts) -> str:
+    """What sends a lost group again: its prompt re-sampled (a group of a prompt with a record), or a push."""
+    if w.prompt is not None:
+        return f"distillq dlq resample {w.group_id} samples its prompt again"
+    return "distillq push --force FILE sends it again"
+
+
+def _batched(marker: str, w: Whereabouts) -> str:
     """The fate of a group whose ``batches`` marker remains and whose batch entry is no longer in the stream."""
     if marker.startswith(ACKED):
         entry = marker.removeprefix(ACKED)
@@ -175,7 +182,7 @@ def _batched(marker: str) -> str:
         return ("batched, and its batch entry (which its dedupe marker does not name) is no longer in the batches "
                 "stream: trained, or lost with it")
     return (f"lost: batched into entry {marker}, which no learner acknowledged and which is gone from the batches "
-            "stream (deleted or trimmed); distillq push --force FILE sends it again")
+            f"stream (deleted or trimmed); {_send_again(w)}")
 
 
 def summarize(w: Whereabouts) -> str:
@@ -188,7 +195,8 @@ def summarize(w: Whereabouts) -> str:
         return f"{flowing}; {len(dead)} dead letter(s) of it from before (distillq dlq show ENTRY_ID)"
     trained = marked.get("batches")
     if dead and trained is not None and trained.value.startswith(ACKED):  # sent again after its dead letter
-        return f"{_batched(trained.value)}; {len(dead)} dead letter(s) of it from before (distillq dlq show ENTRY_ID)"
+        return (f"{_batched(trained.value, w)}; {len(dead)} dead letter(s) of it from before (distillq dlq show "
+                "ENTRY_ID)")
     if dead:
         best = next((s for s in reversed(dead) if s.advice.startswith("distillq dlq replay")), dead[-1])
         return f"dead-lettered ({best.detail}): {best.advice}"
@@ -203,12 +211,11 @@ def summarize(w: Whereabouts) -> str:
     if not marked and (lost := _lost_prompt(w)) is not None:
         return lost
     if "batches" in marked:
-        return _batched(marked["batches"].value)
+        return _batched(marked["batches"].value, w)
     if marked:
         last = "scored" if "scored" in marked else sorted(marked)[0]
         return (f"lost: written to {last} (dedupe marker {marked[last].value}) but that entry is gone, and no stage "
-                "after it recorded the group (the stream was deleted or trimmed); distillq push --force FILE sends "
-                "it again")
+                f"after it recorded the group (the stream was deleted or trimmed); {_send_again(w)}")
     return "not found: no entry, dedupe marker or drop record for this group id in this namespace"
 
 

@@ -3,9 +3,10 @@
 * ``replay_prompt``: a prompt's dead letter (stage ``rollout``, source ``prompts``) back onto ``prompts``, with the
   same group id (``dlq replay``).
 * ``resample``: a group dropped as stale (the learner's dead letter ``stale: ...``, or the feeder's drop record
-  ``stale``) sampled again from its prompt's record at the current policy version N, as the group
-  ``<epoch>:<prompt id>@v<N>`` (``dlq resample``): a new group id, so no dedupe marker of the stale group (rollouts,
-  scored, batches) holds it back, and once per stale group (the record remembers what it was re-sampled as).
+  ``stale``), or one ``distillq where`` calls lost (its entry removed from a stream by hand, never acknowledged by a
+  learner), sampled again from its prompt's record at the current policy version N, as the group
+  ``<epoch>:<prompt id>@v<N>`` (``dlq resample``): a new group id, so no dedupe marker of the first group
+  (rollouts, scored, batches) holds it back, and once per group (the record remembers what it was re-sampled as).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Final
 import redis.asyncio as aioredis
 
 from pipeline.cli.groupscan import find_entries
+from pipeline.cli.locate import fate, locate, summarize
 from pipeline.transport.keys import Keys
 from pipeline.transport.producer import F_ID
 from pipeline.transport.prompts import (
@@ -59,9 +61,10 @@ async def replay_prompt(redis: aioredis.Redis, keys: Keys, entry_id: str, fields
     return Outcome(entry_id, True, f"-> prompts {new_id} (group {entry.group_id})")
 
 
-async def _stale_group(redis: aioredis.Redis, keys: Keys, ident: str) -> tuple[str, str | None] | str:
+async def _resamplable(redis: aioredis.Redis, keys: Keys, ident: str) -> tuple[str, str | None] | str:
     """(group id, its stale dead letter's entry id or None) of a stale group named by a dead letter's entry id or
-    by a group id (of a stale dead letter, or of the feeder's drop record), else why it cannot be re-sampled."""
+    by a group id (of a stale dead letter, or of the feeder's drop record), or of a group ``where`` calls lost;
+    else why it cannot be re-sampled."""
     if ":" not in ident:  # an entry id (a group id from the rollout stage always holds ':')
         rows = await redis.xrange(keys.dlq, min=ident, max=ident)
         if not rows:
@@ -77,7 +80,10 @@ async def _stale_group(redis: aioredis.Redis, keys: Keys, ident: str) -> tuple[s
             return ident, eid
     raw = await redis.get(keys.dropped(ident))
     if raw is None:
-        return "no stale dead letter or drop record of this group id: distillq where says what became of it"
+        summary = summarize(await locate(redis, keys, ident))
+        if fate(summary) == "lost":  # removed from a stream by hand, never acknowledged by a learner
+            return ident, None
+        return f"neither stale nor lost: {summary}"
     try:
         why = str(json.loads(raw).get("reason"))
     except (ValueError, AttributeError):
@@ -88,8 +94,8 @@ async def _stale_group(redis: aioredis.Redis, keys: Keys, ident: str) -> tuple[s
 
 
 async def resample(redis: aioredis.Redis, keys: Keys, ident: str) -> Outcome:
-    """One stale group sampled again from its prompt at the current policy version (see the module)."""
-    found = await _stale_group(redis, keys, ident)
+    """One stale or lost group sampled again from its prompt at the current policy version (see the module)."""
+    found = await _resamplable(redis, keys, ident)
     if isinstance(found, str):
         return Outcome(ident, False, found)
     gid, dead_letter = found

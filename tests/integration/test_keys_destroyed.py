@@ -125,3 +125,34 @@ async def test_where_over_an_epoch_or_a_file_answers_was_anything_lost(
     assert got["fates"] == {"trained": 3, "not found": 1} and [x["group_id"] for x in got["not_trained"]] == ["f3"]
     code, _, err = await cli(capsys, redis_url, keys, "where", "f0", "--epoch", "4")
     assert code == 2 and "give one GROUP_ID, or --epoch N or --file FILE" in err
+
+
+async def test_groups_of_enqueued_prompts_lost_to_a_trim_are_sampled_again(
+    r: aioredis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Groups of enqueued prompts (``<epoch>:<id>``) trimmed from ``rollouts``: ``where`` names ``dlq resample``,
+    which puts each prompt back on ``prompts`` as ``<epoch>:<id>@v<N>``, once; a trained group is refused."""
+    from pipeline.transport.prompts import PromptJob, enqueue_prompts
+
+    await enqueue_prompts(r, keys, [PromptJob(id=f"p{i}", prompt="1+1=") for i in range(4)], epoch=5)
+    await r.delete(keys.stream("prompts"))  # sampled: the rollout worker acked (deleted) their entries
+    await r.set(keys.policy_version, 3)
+    groups = [synthetic_rollout(2, 12, group_id=f"5:p{i}") for i in range(4)]
+    for g in groups:
+        await StreamProducer(r, keys, "rollouts", fast()).send(g)
+    p = Pipeline(r, keys)
+    assert await audit_streams(r, keys, "test") == []
+    assert await r.xtrim(keys.stream("rollouts"), maxlen=1, approximate=False) == 3  # 5:p0..5:p2, by hand
+    assert sorted(await p.run()) == ["5:p3"]
+    code, out, _ = await cli(capsys, redis_url, keys, "where", "5:p0")
+    assert "lost: written to rollouts" in out and "distillq dlq resample 5:p0 samples its prompt again" in out, out
+    code, out, err = await cli(capsys, redis_url, keys, "dlq", "resample", "5:p0", "5:p1", "5:p2", "5:p3")
+    assert code == 1, err  # 5:p3 was trained
+    lines = out.splitlines()
+    assert [x.split()[:2] for x in lines] == [["resampled", f"5:p{i}"] for i in range(3)] + [["kept", "5:p3"]]
+    assert "sampled again at policy version 3 as group 5:p0@v3" in lines[0]
+    assert "neither stale nor lost: batched and acknowledged by the learner" in lines[3], lines[3]
+    queued = [f[b"gid"].decode() for _, f in await r.xrange(keys.stream("prompts"))]
+    assert queued == ["5:p0@v3", "5:p1@v3", "5:p2@v3"]
+    code, out, _ = await cli(capsys, redis_url, keys, "dlq", "resample", "5:p0")
+    assert code == 1 and "group 5:p0 was re-sampled already, as 5:p0@v3" in out, out

@@ -99,12 +99,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                          "batch_too_large, oversize_group): change the setting first")
     rp.set_defaults(func=main_replay)
 
-    rs = add_command(dsub, "resample", "sample stale groups' prompts again at the current policy version",
+    rs = add_command(dsub, "resample", "sample stale or lost groups' prompts again at the current policy version",
                      "For each group dropped as stale (a learner dead letter 'stale: ...', named by its entry id or "
-                     "group id, or a feeder drop, named by its group id), enqueue its prompt again from the prompt's "
-                     "record, as the group <epoch>:<prompt id>@v<N> (N: the current policy version), and delete the "
-                     "dead letter after that write. Once per stale group; only groups of prompts from distillq "
-                     "enqueue (their record lives 30 days).")
+                     "group id, or a feeder drop, named by its group id) or lost (distillq where says 'lost': its "
+                     "entry was removed from a stream by hand and no learner acknowledged it), enqueue its prompt "
+                     "again from the prompt's record, as the group <epoch>:<prompt id>@v<N> (N: the current policy "
+                     "version), and delete the dead letter after that write. Once per group; only groups of prompts "
+                     "from distillq enqueue (their record lives 30 days).")
     rs.add_argument("ids", nargs="+", metavar="ID", help="a dead letter's entry id, or a group id")
     rs.set_defaults(func=main_resample)
 
