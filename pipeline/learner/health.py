@@ -115,7 +115,7 @@ class LearnerHeartbeat:
     async def take(self, wait_s: float | None = None) -> None:
         """Claim this consumer name and rank (``pipeline.transport.identity``) before the first read: waits up to
         ``wait_s`` (default: one TTL and one interval) for another live holder to go, else ``NameHeld``."""
-        wait = self.ttl_ms / 1000 + self.interval_s if wait_s is None else wait_s
+        wait = self.claim.default_wait_s(self.ttl_ms, self.interval_s) if wait_s is None else wait_s
         await retry_transient(lambda: self.claim.take(self._value, self.ttl_ms, wait), redis=self.redis)
 
     async def beat(self) -> None:

@@ -90,7 +90,7 @@ class Heartbeat:
     async def take(self, stop: asyncio.Event | None = None, wait_s: float | None = None) -> None:
         """Claim the consumer name before the first read: waits up to ``wait_s`` (default: one TTL and one interval,
         so a killed holder's key expires meanwhile) for another live holder to go, else ``NameHeld``."""
-        wait = self.ttl_ms / 1000 + self.interval_s if wait_s is None else wait_s
+        wait = self.claim.default_wait_s(self.ttl_ms, self.interval_s) if wait_s is None else wait_s
         await retry_transient(lambda: self.claim.take(lambda: self._value(handled=0, outcomes={}), self.ttl_ms,
                                                       wait), stop=stop, redis=self.redis)
 

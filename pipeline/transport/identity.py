@@ -120,6 +120,12 @@ class Claim:
                                                        max(1, int(ttl_ms))])
         return None if raw is None else Holder.parse(raw)
 
+    @staticmethod
+    def default_wait_s(ttl_ms: int, interval_s: float) -> float:
+        """How long a new process waits for a held name by default: one TTL and one beat interval, by when the
+        claim of a holder killed -9 (which renews no more) has expired."""
+        return ttl_ms / 1000 + interval_s
+
     async def take(self, value: Callable[[], dict[str, Any]], ttl_ms: int, wait_s: float,
                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         """Claim the name: write ``value()``, waiting up to ``wait_s`` for a holder to go; ``NameHeld`` (and an

@@ -17,11 +17,17 @@ past the workers' ``DISTILLQ_BACKPRESSURE_TIMEOUT_S``; a torn version published 
 without its ``distillq-checkpoint.json`` and ``policy_version`` announces it, the learner held meanwhile);
 the teacher answering vLLM's -9999.0 for ``sentinel_s``; a rolling restart of the learner that starts the new one
 before the old one stopped (an orchestrator's order): the new process, under the same consumer name, must be
-refused (exit status 2) having trained nothing, then the old one is stopped (SIGTERM) and the new one takes over.
+refused (exit status 2) having trained nothing, then the old one is stopped (SIGTERM) and the new one takes over;
+an operator's ``XTRIM`` of the ``rollouts`` stream while groups wait in it (the teacher stopped for
+``stall_before_trim_s`` first), after which the operator runs ``distillq stats`` (its audit must record the loss as a
+``stream_trimmed`` incident counting every entry removed).
 A process that exits without being killed is restarted too (a supervisor's job) and counted.
 
 After the faults the driver waits until every prompt is trained or dead-lettered, or nothing moved for
-``settle_s``. The Redis-without-data restart is handled as an operator would: its loss must be named by a
+``settle_s``. The trimmed groups that are then neither trained nor dead-lettered are sampled again as an operator
+would, with ``distillq dlq resample GROUP ...`` (it takes only groups ``distillq where`` calls lost, and makes each
+``<epoch>:<id>@v<N>``), and must then be trained once, under the new id; a group trained under both ids is trained
+twice. The Redis-without-data restart is handled as an operator would: its loss must be named by a
 process in ``ns:incidents`` (the Redis-loss line); the prompts enqueued before it that are then neither
 trained nor dead-lettered are the ones lost in the reset, and are enqueued again (``distillq enqueue``, same
 epoch) and must then be trained. The invariant (``SoakResult.violations`` empty):
@@ -35,6 +41,8 @@ epoch) and must then be trained. The invariant (``SoakResult.violations`` empty)
   integer fields) are a figure beside the prompts lost; fewer than lost is a finding, not a violation (a
   process can count the entries it held, not those waiting unread in a stream that went);
 * no group is trained twice; nothing unknown is trained;
+* every trim is counted in full by ``stream_trimmed`` incidents, and every trimmed group left unfinished is taken
+  by ``dlq resample``;
 * no batch carries a teacher value that is non-finite, above 0 or at/below -1000 (``soak_learner.FLOOR``).
 
 Recovery time of a fault: from its start to the training of the first prompt enqueued after it ended.
@@ -72,11 +80,13 @@ from tests.reliability.teacher_stub import MODEL, SwitchableTeacher
 
 #: Every fault kind; each is injected at least once per soak, ``redis_wipe`` exactly once.
 KINDS = ("kill_rollout", "kill_teacher", "kill_feeder", "kill_learner", "redis_restart", "redis_wipe",
-         "redis_oom", "learner_pause", "torn_checkpoint", "teacher_sentinel", "learner_rolling_restart")
+         "redis_oom", "learner_pause", "torn_checkpoint", "teacher_sentinel", "learner_rolling_restart",
+         "stream_trim")
 EPOCH = 1
 K = 4
 TAIL_S = 20.0  # prompts go on being enqueued this long after the fault phase
-PROMPT_ID = re.compile(r"(?:\d+:)?(p\d{5})")
+PROMPT_ID = re.compile(r"(?:\d+:)?(p\d{5})(?:@v\d+)?")  # a re-sampled group counts as its prompt's
+RESAMPLED = re.compile(r"resampled (\S+) .* as group (\S+)$")
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class SoakConfig:
     oom_s: float = 6.0
     sentinel_s: float = 5.0
     stall_before_wipe_s: float = 6.0  # the teacher is stopped this long before Redis loses its data
+    stall_before_trim_s: float = 4.0  # ... and this long before the rollouts stream is trimmed
     settle_s: float = 30.0  # the drain ends when nothing moved for this long
     drain_reserve_s: float = 100.0  # of ``seconds``, kept for the drains after the fault phase
     workdir: Path | None = None
@@ -279,6 +290,10 @@ class Soak:
         self.wipe_at = 0.0
         self.at_risk: set[str] = set()  # unfinished group ids when Redis lost its data
         self.reenqueued: list[str] = []
+        self.trimmed: dict[str, float] = {}  # group id -> when its rollouts entry was trimmed
+        self.trim_count = 0  # entries removed by the trims (XTRIM's answers)
+        self.resampled: dict[str, str] = {}  # new group id -> the trimmed group it re-samples
+        self.resample_refused: list[str] = []
         self.procs: dict[str, WorkerProc] = {}
         self.r: aioredis.Redis | None = None
         self.started = time.time()
@@ -501,6 +516,57 @@ class Soak:
             return "the new learner was refused while the old one lived (exit 2), then replaced it"
         return f"violation: the new learner was not refused (exit {code}, {steps} steps trained)"
 
+    async def _stream_trim(self) -> str:
+        assert self.r is not None
+        teacher = self.procs["teacher"]  # stopped first, so that groups wait in the rollouts stream
+        self.down.add("teacher")
+        os.kill(teacher.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(self.cfg.stall_before_trim_s)
+            key = self.keys.stream("rollouts")
+            rows = await self.r.xrange(key)  # only the rollout worker writes meanwhile, at the tail
+            cut = max(1, len(rows) // 2) if rows else 0
+            removed = int(await self.r.xtrim(key, maxlen=len(rows) - cut, approximate=False)) if cut else 0
+        finally:
+            os.kill(teacher.pid, signal.SIGCONT)
+            self.down.discard("teacher")
+        now = time.time()
+        for _, f in rows[:removed]:
+            self.trimmed[f[b"gid"].decode()] = now
+        self.trim_count += removed
+        stats = await self.cli("stats", "--json")  # the operator looks: its audit records the loss
+        return f"{removed} of {len(rows)} rollouts entries trimmed; stats exit {stats[0]}"
+
+    async def cli(self, *argv: str) -> tuple[int | None, str]:
+        """``distillq ARGV`` against this soak's Redis and namespace: (exit status, output)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DISTILLQ_")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pipeline.cli.main", *argv, "--redis-url", self.server.url, "--namespace",
+            self.ns, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            out = b"timed out"
+        return proc.returncode, out.decode("utf-8", "replace")
+
+    async def resample_trimmed(self, deadline: float) -> None:
+        """The operator's step after a trim: ``dlq resample`` of the trimmed groups left unfinished (those
+        unfinished at a later Redis reset are the reset's), then a drain of the new groups."""
+        left = sorted(set(self.trimmed) - self.finished() - self.at_risk)
+        if not left:
+            return
+        code, out = await self.cli("dlq", "resample", *left)
+        with open(self.dir / "resample.log", "a") as log:
+            log.write(f"--- exit {code}\n{out}")
+        for line in out.splitlines():
+            if m := RESAMPLED.search(line):
+                self.resampled[m.group(2)] = m.group(1)
+            elif line.startswith("kept"):
+                self.resample_refused.append(line)
+        await self.drain(set(self.resampled), deadline)
+
     async def _torn_checkpoint(self) -> str:
         assert self.r is not None
         version = max([int(await self.r.get(self.keys.policy_version) or 0), *published_versions(self.weights)]) + 1
@@ -594,8 +660,9 @@ class Soak:
             await asyncio.wait_for(tasks.pop(), max(1.0, deadline - time.monotonic()))
             fault_end = time.monotonic()
             await self.drain(set(self.enqueued), deadline - 30)
+            await self.resample_trimmed(deadline - 20)
             if self.wipe_at:  # the operator's step after a Redis that lost its data
-                self.reenqueued = sorted(set(self.enqueued) - self.finished())
+                self.reenqueued = sorted(set(self.enqueued) - self.finished() - set(self.resampled.values()))
                 if self.reenqueued:
                     lines = [x for x in self.prompts if f"{EPOCH}:{x['id']}" in set(self.reenqueued)]
                     await self.enqueue(lines, "reenqueue")
@@ -619,8 +686,27 @@ class Soak:
 
     # ----- the invariant and the figures -----
 
+    def trained(self) -> dict[str, list[float]]:
+        """The learner's record by prompt group: a re-sampled group's training is its trimmed group's."""
+        out: dict[str, list[float]] = {}
+        for gid, ts in self.record.trained().items():
+            out.setdefault(self.resampled.get(gid, gid), []).extend(ts)
+        return out
+
+    def trims_named(self) -> tuple[int, list[str]]:
+        """The entries ``stream_trimmed`` incidents count, and the trims' violations."""
+        lines = [i for i in self.incidents if i.get("kind") == "stream_trimmed"]
+        named = sum(n for i in lines for n in loss_counts(i))
+        out = []
+        if named < self.trim_count:
+            out.append(f"{self.trim_count} rollouts entries trimmed, stream_trimmed incidents count {named}: "
+                       f"{[i.get('text') for i in lines][:3]}")
+        if self.resample_refused:
+            out.append(f"dlq resample refused trimmed groups left unfinished: {self.resample_refused[:3]}")
+        return named, out
+
     def analyse(self, elapsed: float, fault_phase: float) -> SoakResult:
-        trained = self.record.trained()
+        trained = self.trained()
         enq = set(self.enqueued)
         violations: list[str] = []
         findings: list[str] = []  # worth a look, not a breach of the invariant
@@ -644,6 +730,8 @@ class Soak:
                               f"{[(g, rs[0][:160]) for g, rs in self.dead.items() if not justified(rs[0])][:3]}")
         violations += [f"{f.kind}: {f.note.removeprefix('violation: ')}" for f in self.faults
                        if f.note.startswith("violation:")]
+        trim_named, trim_violations = self.trims_named()
+        violations += trim_violations
         reset_lines = [i for i in self.incidents if float(i.get("ts") or 0) >= self.wipe_at > 0
                        and re.search("lost|reset", i.get("kind", ""))]
         counts = [n for i in reset_lines for n in loss_counts(i)]
@@ -675,6 +763,7 @@ class Soak:
             "dead_lettered": len((set(self.dead) - set(trained)) & enq),
             "dead_letter_reasons": ",".join(f"{k}:{v}" for k, v in sorted(reasons.items())) or "-",
             "lost_in_reset": len(self.reenqueued), "named_in_incidents": named,
+            "trimmed": self.trim_count, "named_in_trim_incidents": trim_named, "resampled": len(self.resampled),
             "lost": len(lost), "duplicates": sum(n - 1 for n in dups.values()), "unknown": len(unknown),
             "bad_teacher_groups": len(bad),
             "unexpected_exits": ",".join(f"{k}:{v}" for k, v in sorted(Counter(e.name for e in self.exits).items()))

@@ -71,6 +71,29 @@ def test_the_invariant_names_each_kind_of_violation(tmp_path: Path) -> None:
     assert result.figures["duplicates"] == 1 and result.figures["dead_lettered"] == 1  # p00007 was trained
 
 
+def test_the_invariant_counts_trims_and_their_resampled_groups(tmp_path: Path) -> None:
+    """Three entries trimmed and an incident counting one; a trimmed group trained under its own id and again
+    re-sampled (trained twice); another re-sampled and trained once (counted as its prompt); one refused."""
+    soak = Soak(SoakConfig(seed=SEED, workdir=tmp_path))
+    soak.enqueued = {f"1:p{i:05d}": 1.0 for i in range(3)}
+    soak.trimmed = dict.fromkeys(soak.enqueued, 2.0)
+    soak.trim_count = 3
+    soak.incidents = [{"kind": "stream_trimmed", "text": "1 entries of stream {soak:rollouts} were removed"}]
+    soak.resampled = {"1:p00000@v4": "1:p00000", "1:p00001@v4": "1:p00001"}
+    soak.resample_refused = ["kept 1:p00002 neither stale nor lost: ..."]
+    soak.record.starts = [{"t": 0.0, "event": "start", "step": 0}]
+    soak.record.steps = [{"t": float(t), "event": "step", "step": t, "batch_id": f"b{t}", "groups": g,
+                          "bad_teacher": {}} for t, g in ((1, ["1:p00000", "1:p00002"]), (2, ["1:p00000@v4"]),
+                                                            (3, ["1:p00001@v4"]))]
+    result = soak.analyse(10.0, 8.0)
+    text = "\n".join(result.violations)
+    assert "trained twice or more: 1 groups" in text and "1:p00000" in text
+    assert "3 rollouts entries trimmed, stream_trimmed incidents count 1" in text
+    assert "dlq resample refused trimmed groups left unfinished" in text
+    assert len(result.violations) == 3, text
+    assert result.figures["trained"] == 3 and result.figures["lost"] == 0 and result.figures["unknown"] == 0
+
+
 def test_torn_versions_are_torn_as_named(tmp_path: Path) -> None:
     """Each way the soak tears a version: no marker; the marker with a shard shorter than it says; the marker
     and every size right, with one tensor all NaN."""
