@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import jinja2
 import msgspec
 import numpy as np
 import structlog
@@ -59,6 +58,14 @@ NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "prompt_logprobs": (None, 0),
 }
+
+
+try:  # chat templates render with jinja2 (the hf extra brings it); without it no template error can arise
+    from jinja2 import TemplateError
+
+    _BAD_CHAT: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, TemplateError)
+except ModuleNotFoundError:
+    _BAD_CHAT = (ValueError, TypeError, KeyError)
 
 
 class ServeError(ApiError):
@@ -291,7 +298,7 @@ class StudentService:
             raise ServeError(400, e.message, param=e.param) from e
         except StudentBackendError as e:
             raise ServeError(502, str(e), "BackendError") from e
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
+        except _BAD_CHAT as e:
             raise ServeError(400, f"{type(e).__name__}: {e}") from e
         s = self.sessions.get(session_id) if session_id else None
         if s is not None and client.tracker.stats.requests > n_before:
