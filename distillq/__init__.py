@@ -109,6 +109,7 @@ if TYPE_CHECKING:
     from pipeline.transport.sdk import AsyncGroupProducer, GroupProducer
     from pipeline.transport.sharding import ShardConfigError
     from pipeline.weightstore.codec import CodecError
+    from pipeline.weightstore.stores import WeightStoreUnavailable
     from schemas.validate import InvalidLogprobs
 
 #: Every name but the exceptions of ``pipeline.errors`` and the wire messages: name -> (home module, attribute),
@@ -166,6 +167,7 @@ _HOME: Final[dict[str, tuple[str, str]]] = {
     "GroupProducer": ("pipeline.transport.sdk", "GroupProducer"),
     "ShardConfigError": ("pipeline.transport.sharding", "ShardConfigError"),
     "CodecError": ("pipeline.weightstore.codec", "CodecError"),
+    "WeightStoreUnavailable": ("pipeline.weightstore.stores", "WeightStoreUnavailable"),
     "InvalidLogprobs": ("schemas.validate", "InvalidLogprobs"),
 }
 
@@ -246,6 +248,7 @@ __all__ = [
     "TransportError",
     "VocabMismatchError",
     "VocabUnavailable",
+    "WeightStoreUnavailable",
     "WireFormatError",
     "chunked_generalized_jsd",
     "chunked_importance_sampled_pg_loss",

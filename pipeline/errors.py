@@ -18,7 +18,9 @@ family                      its classes (home module)
                             (``pipeline.rollout.sync_engines``), ``HookMissing`` (``pipeline.teacher.vllm_engine_proc``)
 ``TransportError``          ``BackpressureTimeout``, ``MessageTooLarge``, ``ProducerStopped``
                             (``pipeline.transport.producer``), ``ClusterUnreachableError``
-                            (``pipeline.transport.connection``; a redis-py ``ConnectionError``: transient)
+                            (``pipeline.transport.connection``; a redis-py ``ConnectionError``: transient),
+                            ``WeightStoreUnavailable`` (``pipeline.weightstore.stores``: the weights store's
+                            Redis silent past its retries; a ``ConnectionError`` too)
 ``LearnerError``            ``LearnerConnectionError`` (``pipeline.learner.checks``), ``RankTakenOver``
                             (``pipeline.learner.ranks``)
 ``ApiError``                ``ServeError`` (``pipeline.serve.student.service``), ``RequestError``

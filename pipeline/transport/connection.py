@@ -7,12 +7,14 @@ import os
 import re
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import structlog
+from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
@@ -27,14 +29,15 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry as SyncRetry
 
 from pipeline.backoff import Backoff
 from pipeline.config import RedisSettings
 from pipeline.errors import TransportError
 from pipeline.transport import bigio
 
-__all__ = ["TRANSIENT", "Backoff", "ClusterUnreachableError", "connect", "is_nogroup", "is_redis_full", "mask_url",
-           "memory_use", "redis_error_line", "retry_transient"]
+__all__ = ["TRANSIENT", "Backoff", "ClusterUnreachableError", "connect", "connect_sync", "is_nogroup", "is_redis_full",
+           "mask_url", "memory_use", "redis_error_line", "retry_transient", "retry_transient_sync"]
 
 T = TypeVar("T")
 
@@ -159,6 +162,52 @@ def keepalive_options() -> dict[int, int]:
     return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
 
 
+def _options(settings: RedisSettings, url: str) -> dict[str, object]:
+    """The client options of every connection to ``url``: bytes replies, the connect timeout, the TLS files of
+    ``settings`` (``rediss://``), TCP keepalive (``keepalive_options``)."""
+    kwargs: dict[str, object] = {"decode_responses": False,
+                                 "socket_connect_timeout": settings.socket_connect_timeout}
+    if url.startswith(("rediss://", "rediss+cluster://")):
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            value = getattr(settings, name)
+            if value:
+                kwargs[name] = value
+    if not url.startswith("unix://"):  # redis-py's Unix connections take no TCP options
+        kwargs.update(socket_keepalive=True, socket_keepalive_options=keepalive_options())
+    return kwargs
+
+
+def connect_sync(url: str, settings: RedisSettings, *, socket_timeout: float = 60.0) -> SyncRedis:
+    """A synchronous client for ``url`` (one Redis, not a cluster) with ``connect``'s options: the TLS files of
+    ``settings``, the connect timeout, keepalive, and redis-py retrying only the establishing of a connection.
+    Commands are retried by ``retry_transient_sync``. The weights store's client (``pipeline.weightstore``)."""
+    kwargs = _options(settings, url)
+    kwargs.update(socket_timeout=socket_timeout, retry=SyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=3))
+    return SyncRedis.from_url(url, **kwargs)
+
+
+def retry_transient_sync(op: Callable[[], T], *, deadline_s: float, what: str,
+                         sleep: Callable[[float], None] = time.sleep) -> T:
+    """``retry_transient`` for synchronous clients: ``op`` (safe to repeat) run until it succeeds, backing off
+    (``pipeline.backoff``) on transient Redis errors for at most ``deadline_s``, ``redis_unavailable`` logged
+    (``what`` names the server); then the last error is raised."""
+    end = time.monotonic() + deadline_s
+    backoff = Backoff()
+    logged = float("-inf")
+    while True:
+        try:
+            return op()
+        except TRANSIENT as e:
+            delay = backoff.next_delay()
+            if time.monotonic() + delay > end:
+                raise
+            if time.monotonic() - logged >= FULL_LOG_EVERY_S:
+                logged = time.monotonic()
+                log.warning("redis_unavailable", server=what, error=str(e), retry_in=round(delay, 2),
+                            gives_up_in_s=round(end - time.monotonic(), 1))
+            sleep(delay)
+
+
 def connect(settings: RedisSettings, *, max_connections: int | None = None) -> aioredis.Redis:
     """A client for ``settings.redis_url`` (``redis+cluster://h:p,h:p`` for Redis Cluster).
 
@@ -172,20 +221,10 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
     connection error the command's effect is unknown, and a blind re-send of XADD, INCR or a script would
     apply it twice. Commands are retried by distillq (``retry_transient``, the run loops' back-off), around
     operations written to be safe to repeat (dedupe markers, acks by entry id)."""
-    kwargs: dict[str, object] = {
-        "decode_responses": False,
-        "socket_connect_timeout": settings.socket_connect_timeout,
-        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
-    }
+    kwargs = _options(settings, settings.redis_url)
+    kwargs["retry"] = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3)
     if max_connections is not None:
         kwargs["max_connections"] = max_connections
-    if settings.redis_url.startswith(("rediss://", "rediss+cluster://")):
-        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-            value = getattr(settings, name)
-            if value:
-                kwargs[name] = value
-    if not settings.redis_url.startswith("unix://"):  # redis-py's Unix connections take no TCP options
-        kwargs.update(socket_keepalive=True, socket_keepalive_options=keepalive_options())
     if is_cluster_url(settings.redis_url):
         return _connect_cluster(settings, kwargs)
     kwargs["connection_class"] = bigio.connection_class(settings.redis_url)  # sized for multi-MB entries

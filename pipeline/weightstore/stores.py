@@ -12,11 +12,18 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from pipeline.errors import ConfigurationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from pipeline.config import RedisSettings
+from pipeline.errors import ConfigurationError, TransportError
+from pipeline.transport.connection import TRANSIENT, connect_sync, retry_transient_sync
 from pipeline.weightstore.keys import DEFAULT_PREFIX, WeightKeys
+
+T = TypeVar("T")
 
 #: URL schemes a weights location may have (anything else is refused); a location without one is a folder.
 SCHEMES = ("redis", "rediss", "s3", "memory", "file")
@@ -105,12 +112,21 @@ def open_store(url: str) -> WeightStore:
     return FsspecStore(bare)
 
 
+class WeightStoreUnavailable(TransportError, RedisConnectionError):
+    """The weights store's Redis did not answer for ``RedisStore.deadline_s`` (a redis-py ``ConnectionError``:
+    transient, exit status 3)."""
+
+
 class RedisStore:
-    """``redis://host:port/db?prefix=NAME`` (prefix default ``distillq-weights``)."""
+    """``redis://host:port/db?prefix=NAME`` (prefix default ``distillq-weights``), on the process's connection
+    settings (``rediss://`` takes the TLS files of ``DISTILLQ_SSL_*``). Every operation is safe to repeat and is
+    retried over an outage for up to ``deadline_s`` (``retry_transient_sync``); then ``WeightStoreUnavailable``,
+    one line naming the store."""
 
-    def __init__(self, url: str) -> None:
-        import redis
+    #: How long one operation waits for the store's Redis to answer again.
+    deadline_s: float = 60.0
 
+    def __init__(self, url: str, settings: RedisSettings | None = None) -> None:
         parts = urlsplit(url)
         path = parts.path.strip("/")
         if path and not path.isdigit():  # redis-py would take "0/1" as database 0 and drop the rest
@@ -123,44 +139,59 @@ class RedisStore:
         rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
         self.url = url
         self.keys = WeightKeys(prefix)
-        self.redis = redis.Redis.from_url(urlunsplit(parts._replace(query=rest)), socket_timeout=60)
+        self.redis = connect_sync(urlunsplit(parts._replace(query=rest)), settings or RedisSettings())
+
+    def _do(self, op: Callable[[], T]) -> T:
+        try:
+            return retry_transient_sync(op, deadline_s=self.deadline_s, what=redact(self.url))
+        except TRANSIENT as e:
+            raise WeightStoreUnavailable(f"weights store {redact(self.url)}: its Redis did not answer for "
+                                         f"{self.deadline_s:g} s: {e}") from e
 
     def put(self, name: str, data: bytes) -> None:
-        self.redis.set(self.keys.chunk(name), data)
+        self._do(lambda: self.redis.set(self.keys.chunk(name), data))
 
     def get(self, name: str) -> bytes | None:
-        got = self.redis.get(self.keys.chunk(name))
+        got = self._do(lambda: self.redis.get(self.keys.chunk(name)))
         return bytes(got) if got is not None else None  # type: ignore[arg-type]
 
     def commit(self, version: int, manifest: bytes) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self.keys.manifest(version), manifest)
-        pipe.zadd(self.keys.versions, {str(int(version)): int(version)})
-        pipe.set(self.keys.latest, int(version))
-        pipe.execute()
+        def op() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(self.keys.manifest(version), manifest)
+            pipe.zadd(self.keys.versions, {str(int(version)): int(version)})
+            pipe.set(self.keys.latest, int(version))
+            pipe.execute()
+
+        self._do(op)
 
     def manifest(self, version: int) -> bytes | None:
-        got = self.redis.get(self.keys.manifest(version))
+        got = self._do(lambda: self.redis.get(self.keys.manifest(version)))
         return bytes(got) if got is not None else None  # type: ignore[arg-type]
 
     def latest(self) -> int | None:
-        got = self.redis.get(self.keys.latest)
+        got = self._do(lambda: self.redis.get(self.keys.latest))
         return int(got) if got is not None else None  # type: ignore[arg-type]
 
     def versions(self) -> list[int]:
-        return sorted(int(v) for v in self.redis.zrange(self.keys.versions, 0, -1))  # type: ignore[union-attr]
+        got = self._do(lambda: self.redis.zrange(self.keys.versions, 0, -1))
+        return sorted(int(v) for v in got)  # type: ignore[union-attr]
 
     def drop(self, version: int, names: list[str]) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.zrem(self.keys.versions, str(int(version)))
-        pipe.delete(self.keys.manifest(version))
-        pipe.execute()  # the manifest goes first: no reader starts on a version whose chunks are going
+        def forget() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.zrem(self.keys.versions, str(int(version)))
+            pipe.delete(self.keys.manifest(version))
+            pipe.execute()
+
+        self._do(forget)  # the manifest goes first: no reader starts on a version whose chunks are going
         for i in range(0, len(names), 256):
-            self.redis.delete(*(self.keys.chunk(n) for n in names[i:i + 256]))
+            batch = [self.keys.chunk(n) for n in names[i:i + 256]]
+            self._do(lambda batch=batch: self.redis.delete(*batch))  # type: ignore[misc]
 
     def used_bytes(self) -> int | None:
         """The weights Redis's ``used_memory`` (the whole server's, which is why it should be one of its own)."""
-        return int(self.redis.info("memory")["used_memory"])  # type: ignore[index]
+        return int(self._do(lambda: self.redis.info("memory"))["used_memory"])  # type: ignore[index]
 
     def close(self) -> None:
         self.redis.close()

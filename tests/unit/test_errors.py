@@ -72,6 +72,7 @@ FAMILIES: list[tuple[str, type[BaseException], type[BaseException]]] = [
     ("pipeline.transport.producer.MessageTooLarge", TransportError, ValueError),
     ("pipeline.transport.producer.ProducerStopped", TransportError, RuntimeError),
     ("pipeline.transport.connection.ClusterUnreachableError", TransportError, RedisConnectionError),
+    ("pipeline.weightstore.stores.WeightStoreUnavailable", TransportError, RedisConnectionError),
     ("pipeline.learner.checks.LearnerConnectionError", LearnerError, ConnectionError),
     ("pipeline.learner.ranks.RankTakenOver", LearnerError, RuntimeError),
     ("pipeline.serve.student.service.ServeError", ApiError, Exception),

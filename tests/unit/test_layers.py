@@ -29,7 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline.rollout": {"schemas", "pipeline.base", "pipeline.models"},
     "pipeline.transport": {"schemas", "pipeline.base"},
     # weights in Redis or object storage: the codec, the stores, a learner's uploads, a reader's local folder
-    "pipeline.weightstore": {"pipeline.base", "pipeline.models"},
+    # (the stores' Redis client and retries: pipeline.transport.connection)
+    "pipeline.weightstore": {"pipeline.base", "pipeline.models", "pipeline.transport"},
     "pipeline.stages": {"schemas", "pipeline.base", "pipeline.transport", "pipeline.teacher", "pipeline.rollout"},
     "pipeline.learner": {
         "schemas", "pipeline.base", "pipeline.transport", "pipeline.stages", "pipeline.models", "pipeline.weightstore",
