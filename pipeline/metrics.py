@@ -86,6 +86,18 @@ UNATTRIBUTED_SAMPLES: Final = Counter(
 )
 
 
+FEEDER_BATCHES: Final = Counter("distillq_feeder_batches_total", "train batches written")
+FEEDER_DROPPED: Final = Counter("distillq_feeder_dropped_groups_total", "groups not batched", ["reason"])
+FEEDER_BATCH_TOKENS: Final = Histogram("distillq_feeder_batch_tokens", "tokens per batch",
+                                       buckets=(1e3, 4e3, 1.6e4, 6.4e4, 2.6e5, 1e6))
+FEEDER_PADDING: Final = Gauge("distillq_feeder_padding_fraction", "padding fraction of the last batch")
+FEEDER_REVERSE_KL: Final = Gauge("distillq_feeder_reverse_kl", "mean sampled-token reverse KL of the last batch")
+FEEDER_NO_DISTILL: Final = Gauge("distillq_feeder_no_distill_share", "share of groups without teacher payload")
+FEEDER_KL_COEF: Final = Gauge("distillq_feeder_kl_coef", "current KL coefficient")
+FEEDER_STALENESS: Final = Histogram("distillq_feeder_staleness_versions", "policy versions behind, per group",
+                                    buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
     """Expose /metrics on ``host:port`` (port 0 disables)."""
     if port:

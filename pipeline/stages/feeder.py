@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
-from prometheus_client import Counter, Gauge, Histogram
 from redis.exceptions import ResponseError
 
 from pipeline import metrics
@@ -57,16 +56,6 @@ log = structlog.get_logger("distillq.feeder")
 
 VERSION_REFRESH_S = 0.02
 
-BATCHES: Counter = Counter("distillq_feeder_batches_total", "train batches written")
-DROPPED: Counter = Counter("distillq_feeder_dropped_groups_total", "groups not batched", ["reason"])
-BATCH_TOKENS: Histogram = Histogram("distillq_feeder_batch_tokens", "tokens per batch",
-                                    buckets=(1e3, 4e3, 1.6e4, 6.4e4, 2.6e5, 1e6))
-PADDING: Gauge = Gauge("distillq_feeder_padding_fraction", "padding fraction of the last batch")
-REVERSE_KL: Gauge = Gauge("distillq_feeder_reverse_kl", "mean sampled-token reverse KL of the last batch")
-NO_DISTILL: Gauge = Gauge("distillq_feeder_no_distill_share", "share of groups without teacher payload")
-KL_COEF: Gauge = Gauge("distillq_feeder_kl_coef", "current KL coefficient")
-STALENESS: Histogram = Histogram("distillq_feeder_staleness_versions", "policy versions behind, per group",
-                                 buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 
 
 @dataclass
@@ -222,10 +211,10 @@ class Feeder:
             await retry_transient(functools.partial(self.consumer.dead_letter, d, reason), deadline_s=60)
             self._count("dead_letter")
             return
-        STALENESS.observe(max(0, self.state.policy_version - h.policy_version))
+        metrics.FEEDER_STALENESS.observe(max(0, self.state.policy_version - h.policy_version))
         why = admit(h, self.state.policy_version, self.cfg)
         if why is not None:
-            DROPPED.labels(why.split("_", 2)[0] if why.startswith("no_distill") else why).inc()
+            metrics.FEEDER_DROPPED.labels(why.split("_", 2)[0] if why.startswith("no_distill") else why).inc()
             log.info("group_not_batched", group_id=h.group_id, reason=why,
                      group_version=h.policy_version, current_version=self.state.policy_version)
             await retry_transient(lambda: self.consumer.ack([d]), deadline_s=60)  # payload deleted with it
@@ -325,13 +314,13 @@ class Feeder:
         self._count("entry_gone_after_batching", len(groups))
 
     def _observe(self, stats: dict[str, float]) -> None:
-        BATCHES.inc()
-        BATCH_TOKENS.observe(stats.get("tokens", 0.0))
-        PADDING.set(stats.get("padding_fraction", 0.0))
-        NO_DISTILL.set(stats.get("no_distill_share", 0.0))
-        KL_COEF.set(self.controller.value)
+        metrics.FEEDER_BATCHES.inc()
+        metrics.FEEDER_BATCH_TOKENS.observe(stats.get("tokens", 0.0))
+        metrics.FEEDER_PADDING.set(stats.get("padding_fraction", 0.0))
+        metrics.FEEDER_NO_DISTILL.set(stats.get("no_distill_share", 0.0))
+        metrics.FEEDER_KL_COEF.set(self.controller.value)
         if "reverse_kl" in stats:
-            REVERSE_KL.set(stats["reverse_kl"])
+            metrics.FEEDER_REVERSE_KL.set(stats["reverse_kl"])
         for name, value in stats.items():  # teacher.<pool>.groups: groups batched per teacher pool
             if name.startswith(f"{POOL_STAT}.") and name.endswith(".groups"):
                 metrics.POOL_BATCHED.labels(name[len(POOL_STAT) + 1 : -len(".groups")]).inc(value)
