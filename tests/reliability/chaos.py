@@ -373,23 +373,13 @@ class Soak:
         begun = time.time()
         gids = {f"{EPOCH}:{x['id']}" for x in lines}
         self.enqueuing |= gids
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DISTILLQ_")}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pipeline.cli.main", "enqueue", str(f), "--epoch", str(EPOCH), "--redis-url",
-            self.server.url, "--namespace", self.ns, env=env, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT)
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), 60)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            out = b"timed out"
+            code, out = await self.cli("enqueue", str(f), "--epoch", str(EPOCH))
         finally:
             self.enqueuing -= gids
-        with open(self.dir / "enqueue.log", "ab") as log:
-            log.write(f"--- {tag} rc={proc.returncode} {begun - self.started:.1f}-{time.time() - self.started:.1f} s\n"
-                      .encode() + out)
-        if proc.returncode != 0:
+        with open(self.dir / "enqueue.log", "a") as log:
+            log.write(f"--- {tag} rc={code} {begun - self.started:.1f}-{time.time() - self.started:.1f} s\n{out}")
+        if code != 0:
             self.enqueue_failures += 1
             return False
         for x in lines:

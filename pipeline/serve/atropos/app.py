@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import zlib
 from collections.abc import AsyncIterator
-from typing import Final
 
 import structlog
 from fastapi import FastAPI
@@ -25,11 +24,12 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import PlainTextResponse
 from starlette.datastructures import MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.serve.atropos.queue import STAGE
 from pipeline.serve.atropos.routes import install_handlers, router
 from pipeline.serve.atropos.startup import ServeConfig, open_server
+from pipeline.serve.http import GONE, STALLED, read_capped, replayed, stalled_message
 
 log = structlog.get_logger("distillq.serve.atropos")
 
@@ -49,10 +49,10 @@ class GzipRequest:
             await self.app(scope, receive, send)
             return
         gzipped = "gzip" in MutableHeaders(scope=scope).get("content-encoding", "").lower()
-        body = await _read_capped(receive, self.max_bytes, self.timeout_s)
-        if body is _GONE:  # the client left mid-body: nobody to answer
+        body = await read_capped(receive, self.max_bytes, self.timeout_s)
+        if body is GONE:  # the client left mid-body: nobody to answer
             return
-        if body is _STALLED:
+        if body is STALLED:
             log.warning("request_body_stalled", path=scope.get("path"), timeout_s=self.timeout_s)
             await PlainTextResponse(stalled_message(self.timeout_s), status_code=408,
                                     headers={"Connection": "close"})(scope, receive, send)
@@ -72,49 +72,7 @@ class GzipRequest:
             headers = MutableHeaders(scope=scope)
             headers["content-length"] = str(len(body))
             del headers["content-encoding"]
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if sent:
-                return await receive()  # the client's disconnect, for whoever waits for it
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-#: What ``_read_capped`` returns when the client disconnects before the body ends.
-_GONE: Final = b"<disconnected>"
-#: What ``_read_capped`` returns when the body's next bytes do not come in time.
-_STALLED: Final = b"<stalled>"
-
-
-def stalled_message(timeout_s: float) -> str:
-    return f"request body incomplete: no bytes of it came for {timeout_s:g} s"
-
-
-async def _read_capped(receive: Receive, limit: int, timeout_s: float | None = None) -> bytes | None:
-    """The whole request body, or None when it is longer than ``limit`` bytes (the rest is read and dropped),
-    or ``_GONE``, or ``_STALLED`` when no part of it comes for ``timeout_s`` seconds (None: no limit)."""
-    chunks: list[bytes] = []
-    size, more = 0, True
-    while more:
-        try:
-            async with asyncio.timeout(timeout_s):
-                message = await receive()
-        except TimeoutError:
-            return _STALLED
-        if message["type"] == "http.disconnect":
-            return _GONE
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        elif chunks:
-            chunks.clear()
-        more = message.get("more_body", False)
-    return None if size > limit else b"".join(chunks)
+        await self.app(scope, replayed(body, receive), send)
 
 
 async def _too_large(limit: int, what: str, scope: Scope, receive: Receive, send: Send) -> None:

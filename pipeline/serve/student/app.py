@@ -37,10 +37,10 @@ import structlog
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.rollout.openai_types import Stream
-from pipeline.serve.atropos.app import _GONE, _STALLED, _read_capped, stalled_message
+from pipeline.serve.http import GONE, STALLED, read_capped, replayed, stalled_message
 from pipeline.serve.student.jsonbody import body_problem
 from pipeline.serve.student.service import (
     FinishRequest,
@@ -97,10 +97,10 @@ class BodyCap:
             err = ServeError(status, message, kind)
             await JSONResponse(err.body(), status_code=status, headers={"Connection": "close"})(scope, receive, send)
             return
-        body = await _read_capped(receive, self.max_bytes, self.timeout_s)
-        if body is _GONE:
+        body = await read_capped(receive, self.max_bytes, self.timeout_s)
+        if body is GONE:
             return
-        if body is _STALLED:
+        if body is STALLED:
             log.warning("student.request_body_stalled", path=scope.get("path"), timeout_s=self.timeout_s)
             err = ServeError(408, stalled_message(self.timeout_s), "RequestTimeout")
             await JSONResponse(err.body(), status_code=408, headers={"Connection": "close"})(scope, receive, send)
@@ -114,16 +114,7 @@ class BodyCap:
             err = ServeError(400, f"invalid request: {problem}", param=problem.field)
             await JSONResponse(err.body(), status_code=400)(scope, receive, send)
             return
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replayed(body, receive), send)
 
 
 def create_app(
