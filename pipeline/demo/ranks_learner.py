@@ -44,10 +44,12 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from pipeline.demo.learner import step_losses
+from pipeline.errors import ConfigurationError
 from pipeline.learner.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.learner.client import Learner, LearnerBatch
 from pipeline.learner.torch_batch import TorchBatch, to_torch
 from pipeline.models.weights import load_causal_lm
+from pipeline.stages.exits import run_command
 
 
 class StepLoss(torch.nn.Module):
@@ -127,11 +129,18 @@ def optimise(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Ten
 
 
 def main(argv: list[str]) -> int:
+    """Through the one exit path (``run_command``): a configuration error is one line and exit status 2, Redis
+    away one line and 3."""
     a = parse(argv)
+    a.func = train_ranks
+    return run_command(a)
+
+
+def train_ranks(a: argparse.Namespace) -> int:
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
-        print("pipeline.demo.ranks_learner: run it under torchrun (torchrun --standalone --nproc-per-node N "
-              "-m pipeline.demo.ranks_learner ...): RANK, WORLD_SIZE and MASTER_ADDR are not set", file=sys.stderr)
-        return 2
+        raise ConfigurationError("pipeline.demo.ranks_learner runs under torchrun (torchrun --standalone "
+                                 "--nproc-per-node N -m pipeline.demo.ranks_learner ...): RANK, WORLD_SIZE and "
+                                 "MASTER_ADDR are not set")
     device = rank_device()
     restart = init_ranks("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

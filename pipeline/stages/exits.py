@@ -9,8 +9,9 @@ else is a bug and keeps its traceback.
 
 Every entry point goes through it, so a failure reads the same whichever way it was run: ``distillq``
 (``pipeline.cli.main``), ``python -m workers.*`` (``workers.common.standalone``), ``python -m
-pipeline.demo.learner`` and ``python -m pipeline.cli.commands.serve_student``. It lives in this layer, below
-``workers`` and ``pipeline.learner``, so that each of them (and every command) imports it from here.
+pipeline.demo.learner``, ``torchrun ... -m pipeline.demo.ranks_learner`` and ``python -m
+pipeline.cli.commands.serve_student``. It lives in this layer, below ``workers``, ``pipeline.demo`` and the
+commands, so that each of them imports it from here.
 """
 
 from __future__ import annotations

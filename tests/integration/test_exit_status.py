@@ -110,6 +110,16 @@ def test_the_example_learner_on_a_folder_without_a_model_exits_2_in_one_line(red
     assert not weights.exists()  # refused before it wrote anything
 
 
+def test_the_ranks_learner_outside_torchrun_exits_2_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "pipeline.demo.ranks_learner", "--student", str(tmp_path),
+                        "--weights-dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=120,
+                       env=env, check=False)
+    assert_refused(p, "distillq: pipeline.demo.ranks_learner runs under torchrun (torchrun --standalone "
+                      "--nproc-per-node N -m pipeline.demo.ranks_learner ...): RANK, WORLD_SIZE and MASTER_ADDR "
+                      "are not set")
+
+
 @pytest.mark.slow
 def test_the_example_learner_without_redis_exits_3_in_one_line(tmp_path: Path) -> None:
     from pipeline.demo.tinymodels import ensure_tiny_models
