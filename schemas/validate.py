@@ -364,12 +364,6 @@ def _convention_part(part: _Payload, t: TeacherPayload, tokens: npt.NDArray[np.g
     return (*part, tokens.take(idx + 1), idx)
 
 
-def validate_teacher(t: TeacherPayload, seq: Sequence, name: str, limits: Limits) -> None:
-    part = _teacher(t, seq.loss_mask.numpy(), name, limits)
-    if part is not None:
-        _check_convention([_convention_part(part, t, seq.tokens.numpy())], limits)
-
-
 @functools.lru_cache(maxsize=1024)
 def _spot_rows(n_rows: int, m: int) -> npt.NDArray[np.intp]:
     """``m`` distinct rows evenly spread over ``n_rows`` (first and last included)."""

@@ -214,13 +214,6 @@ class Keys:
             return self.stream(name)
         return self.stream(name, shard_of(group_id, shards), shards)
 
-    def short_name(self, key: str) -> str:
-        """Inverse of ``stream``: ``{distillq:scored}`` or ``{distillq:scored:2~5}`` -> ``scored``."""
-        prefix = f"{{{self.namespace}:"
-        if key.startswith(prefix) and key.endswith("}"):
-            return key[len(prefix) : -1].split(":", 1)[0]
-        raise ValueError(f"{key!r} is not a stream of namespace {self.namespace!r}")
-
     def seen(self, stream: str, group_id: str, shards: int = 1) -> str:
         """Dedupe marker for ``group_id`` on ``stream`` (same hash slot as the stream key it goes to)."""
         return f"{self.stream_for(stream, group_id, shards)}:seen:{group_id}"

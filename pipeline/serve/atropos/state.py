@@ -142,9 +142,6 @@ class AtroposState:
     async def _fields(self) -> set[str]:
         return {k.decode() for k in await self.redis.hkeys(self.k_trainer)}  # type: ignore[misc]
 
-    async def advance(self, by: int = 1) -> int:
-        return int(await self.redis.hincrby(self.k_trainer, "step", by))  # type: ignore[misc]
-
     # ---- envs -------------------------------------------------------------------------------------------
 
     async def envs(self) -> list[dict[str, Any]]:
