@@ -41,7 +41,8 @@ class WorkerSettings(FlagSettings):
         False, description="drain the input stream (rollout: prompts, teacher: rollouts, feeder: scored), then exit 0")
     check: bool = Field(
         False, description="exit 0 if a worker of this stage on this host holds a live heartbeat (written in the "
-                           "last three beat intervals, 15 s by default: the key expires then) and reports nothing wrong, else 1 (prints why; a container health check). A teacher whose "
+                           "last three beat intervals, 15 s by default: the key expires then) and reports nothing "
+                           "wrong, else 1 (prints why; a container health check). A teacher whose "
                            "backend's latest calls all failed reports it (`1 teacher worker(s) alive but unhealthy: "
                            "teacher-0: teacher backend failing: last 4 call(s) failed, latest: connection error ...`) "
                            "until a call succeeds")
