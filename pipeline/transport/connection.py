@@ -162,6 +162,15 @@ def keepalive_options() -> dict[int, int]:
     return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
 
 
+#: How often redis-py tries to establish a connection before a command fails (``connect``, ``connect_sync``).
+CONNECT_RETRIES = 3
+
+
+def _connect_backoff() -> ExponentialBackoff:
+    """redis-py's wait between those tries (both clients'): 50 ms doubling, at most 2 s."""
+    return ExponentialBackoff(cap=2.0, base=0.05)
+
+
 def _options(settings: RedisSettings, url: str) -> dict[str, object]:
     """The client options of every connection to ``url``: bytes replies, the connect timeout, the TLS files of
     ``settings`` (``rediss://``), TCP keepalive (``keepalive_options``)."""
@@ -182,7 +191,7 @@ def connect_sync(url: str, settings: RedisSettings, *, socket_timeout: float = 6
     ``settings``, the connect timeout, keepalive, and redis-py retrying only the establishing of a connection.
     Commands are retried by ``retry_transient_sync``. The weights store's client (``pipeline.weightstore``)."""
     kwargs = _options(settings, url)
-    kwargs.update(socket_timeout=socket_timeout, retry=SyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=3))
+    kwargs.update(socket_timeout=socket_timeout, retry=SyncRetry(_connect_backoff(), retries=CONNECT_RETRIES))
     return SyncRedis.from_url(url, **kwargs)
 
 
@@ -222,7 +231,7 @@ def connect(settings: RedisSettings, *, max_connections: int | None = None) -> a
     apply it twice. Commands are retried by distillq (``retry_transient``, the run loops' back-off), around
     operations written to be safe to repeat (dedupe markers, acks by entry id)."""
     kwargs = _options(settings, settings.redis_url)
-    kwargs["retry"] = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3)
+    kwargs["retry"] = Retry(_connect_backoff(), retries=CONNECT_RETRIES)
     if max_connections is not None:
         kwargs["max_connections"] = max_connections
     if is_cluster_url(settings.redis_url):
